@@ -96,7 +96,7 @@ class RLConfig(RunConfig):
     epsilon_high: Optional[float] = None
     beta: float = 0.0
     kl_estimator: str = "k3"
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: Optional[str] = None  # None = the algorithm's default
     advantage_scale: str = "group"  # group | batch | none
     num_iterations: int = 1  # mu: passes over each rollout batch
     mini_batch_size: int = 0  # 0 = the whole rollout batch
@@ -138,7 +138,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     if missing: problems.append(f"missing required value(s): {', '.join(missing)} (pass e.g. {missing[0]}=...)")
     for f in fields(cfg):
         v = getattr(cfg, f.name)
-        if f.name in CHOICES and v not in CHOICES[f.name]:
+        if f.name in CHOICES and v is not None and v not in CHOICES[f.name]:
             problems.append(f"{f.name}={v!r} is not one of {', '.join(CHOICES[f.name])}.{_suggest(str(v), CHOICES[f.name])}")
         if f.name in POSITIVE and v <= 0: problems.append(f"{f.name}={v} must be > 0")
     for name in ("data_parallelism", "fsdp_parallelism", "tensor_parallelism"):

@@ -1,0 +1,167 @@
+"""Answer extraction, answer matching, the built-in rewards and the safety of `compute_rewards`."""
+import sys, time, types
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from maxpost import rewards
+from maxpost.rewards import (answers_match, compute_rewards, correctness_reward, extract_answer, format_reward,
+                             gsm8k_gold, resolve_reward_fn, RewardSpec, as_reward_specs)
+
+# (completion, expected extracted answer), each reasoned out by hand from the documented rules.
+EXTRACT_CASES = [
+    ("$1,234.50.", "1234.5"),                                     # currency, thousands comma, trailing period
+    (r"\boxed{\frac{3}{4}}", "0.75"),                             # \frac supported, canonical decimal
+    (r"\boxed{\boxed{5}}", "5"),                                  # nested boxes
+    ("So the answer is\n#### -7", "-7"),                          # GSM8K marker, negative
+    ("First 3, then 5, finally 12 apples.", "12"),               # last number wins, unit ignored
+    ("<answer>12</answer> Later I counted 99.", "12"),            # answer tags win over later numbers
+    ("There is no number here.", None),
+    ("", None),
+    ("<reasoning>2 + 3 = 5</reasoning><answer> 5 </answer>", "5"),
+    ("<answer>$1,000</answer>", "1000"),
+    ("<answer>1/2</answer>", "0.5"),                              # fractions exact
+    ("The answer is .50", "0.5"),                                 # leading-dot decimal
+    ("It costs \u20ac12.", "12"),                                 # euro
+    ("It costs \u00a33.75 in total.", "3.75"),                    # pound
+    ("The temperature is -3 degrees.", "-3"),
+    ("She has 10 - 3 = 7 left", "7"),                             # binary minus is not a sign
+    ("He ate 25% of it", "25"),                                   # percent sign dropped, value kept
+    ("It is 5 dollars", "5"),
+    (r"\boxed{-\dfrac{1}{3}}", "-1/3"),                           # non-terminating fraction stays p/q
+    (r"\boxed{1{,}000}", "1000"),                                 # LaTeX thousands separator
+    (r"\boxed{12\text{ apples}}", "12"),                          # \text units
+    ("#### 1,234\n", "1234"),
+    (r"so \boxed{4} ... wait, \boxed{5}", "5"),                   # last box wins
+    ("<reasoning>3 * 4 = 12</reasoning><answer>13", "13"),        # unclosed answer tag (truncated completion)
+    ("<answer>Paris</answer>", "Paris"),                          # non-numeric answers are kept as text
+    ("<answer>7</answer> no, <answer>8</answer>", "8"),           # the last tagged answer
+    ("#### 72 (that is 8 * 9)\nIt took 5 steps.", "72"),          # the number right after ####, not the last one
+    ("pi is about 3.14159", "3.14159"),
+    (r"The final value is \boxed 7", "7"),                        # \boxed without braces
+    ("x = \u22124", "-4"),                                        # Unicode minus
+    ("Try v2 first", None),                                       # a number glued to letters is not a number
+    ("It costs $-5", "-5"),
+    ("2.50 + 2.50 = 5.00", "5"),                                  # decimals canonicalised
+    ("#### -0.50", "-0.5"),
+    (r"<answer>\boxed{42}</answer>", "42"),                       # a box inside the tags
+    (r"\boxed{\frac{7}{2}} hours", "3.5"),
+    ("1/3 of 9 is 3", "3"),
+    ("<answer>9 + 4 = 13</answer>", "13"),                        # the last number inside the tags
+]
+
+@pytest.mark.parametrize("text,expected", EXTRACT_CASES)
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+def test_enough_cases(): assert len(EXTRACT_CASES) >= 25
+
+@pytest.mark.parametrize("field,expected", [
+    ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72", "72"),
+    ("Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = $<<0.2*50=10>>10.\n#### 10", "10"),
+    ("The total is 1000+200 = <<1000+200=1200>>1,200 dollars.\n#### 1,200", "1200"),
+    ("He loses 5-8 = <<5-8=-3>>-3\n#### -3", "-3"),
+    ("#### 5 ", "5"),
+])
+def test_gsm8k_gold(field, expected):
+    assert gsm8k_gold(field) == expected
+
+@pytest.mark.parametrize("pred,gold,expected", [
+    ("0.5", "1/2", True), (".50", "0.5", True), ("1234.5", "1,234.50", True), ("$5", "5", True),
+    ("-7", "-7.0", True), ("3/4", "0.75", True), (r"\frac{3}{4}", "3/4", True), ("Paris.", "paris", True),
+    ("0.333", "1/3", False), ("7", "-7", False), (None, "1", False), ("1", None, False), ("", "1", False),
+    ("0.1", "0.10000000000000001", False),                       # exact, not float, comparison
+])
+def test_answers_match(pred, gold, expected):
+    assert answers_match(pred, gold) is expected
+
+def test_math_verify_path_is_guarded(monkeypatch):
+    # Not installed here: text fallback. With a (fake) math_verify, non-numeric answers go to it; numbers never do.
+    assert "math_verify" not in sys.modules
+    assert not answers_match(r"\sqrt{2}", r"2^{1/2}")
+    calls = []
+    fake = types.SimpleNamespace(parse=lambda s: s, verify=lambda g, p: calls.append((g, p)) or True)
+    monkeypatch.setitem(sys.modules, "math_verify", fake)
+    assert answers_match(r"\sqrt{2}", r"2^{1/2}") and len(calls) == 1
+    assert not answers_match("3", "4") and len(calls) == 1
+
+def test_correctness_reward():
+    comps = ["<reasoning>r</reasoning><answer>7</answer>", "The answer is 7.", "#### 8", "nothing"]
+    assert correctness_reward(["p"] * 4, comps, answer=["x\n#### 7", "7", "#### 7", "#### 7"]) == [1.0, 1.0, 0.0, 0.0]
+
+@pytest.mark.parametrize("completion,expected", [
+    ("<reasoning>a</reasoning><answer>1</answer>", 1.0),
+    ("\n <reasoning>\nline\n</reasoning>\n\n<answer>\n1\n</answer>\n", 1.0),
+    ("<reasoning></reasoning><answer>1</answer>", 1.0),
+    ("<reasoning>a</reasoning><answer></answer>", 0.0),              # empty answer
+    ("<answer>1</answer>", 0.0),
+    ("<reasoning>a</reasoning>", 0.0),
+    ("x <reasoning>a</reasoning><answer>1</answer>", 0.0),          # text outside the tags
+    ("<reasoning>a</reasoning><answer>1</answer> and more", 0.0),
+    ("<answer>1</answer><reasoning>a</reasoning>", 0.0),             # wrong order
+    ("<reasoning>a</reasoning><answer>1</answer><answer>2</answer>", 0.0),
+    ("<reasoning>a<answer>1</answer></reasoning><answer>1</answer>", 0.0),
+    ("<reasoning>a</reasoning><answer>1", 0.0),                      # truncated
+])
+def test_format_reward(completion, expected):
+    assert format_reward(["p"], [completion]) == [expected]
+
+def _boom(prompts, completions, **_):
+    if any("boom" in c for c in completions): raise RuntimeError("boom")
+    return [1.0] * len(completions)
+
+def test_failing_and_slow_functions_score_zero_and_are_counted():
+    def sleepy(prompts, completions, **_): time.sleep(30); return [1.0] * len(completions)
+    def weird(prompts, completions, **_): return [1.0, None, float("nan"), "x"]
+    def short(prompts, completions, **_): return []              # wrong length, also item by item
+    comps = ["<reasoning>r</reasoning><answer>3</answer>", "boom", "3", "4"]
+    t0 = time.perf_counter()
+    total, per, m = compute_rewards([("correctness", 2.0), _boom, sleepy, weird, short], ["p"] * 4, comps,
+                                    {"answer": ["#### 3"] * 4}, timeout_s=0.3)
+    assert time.perf_counter() - t0 < 15                    # did not wait for the 30 s sleeper
+    np.testing.assert_array_equal(per["correctness"], [1, 0, 1, 0])
+    np.testing.assert_array_equal(per["_boom"], [1, 0, 1, 1]); assert m["rewards/_boom/failures"] == 1
+    np.testing.assert_array_equal(per["sleepy"], [0, 0, 0, 0])
+    assert m["rewards/sleepy/failures"] == 4 and m["rewards/sleepy/timeout"] == 1 and m["rewards/_boom/timeout"] == 0
+    np.testing.assert_array_equal(per["weird"], [1, 0, 0, 0]); assert m["rewards/weird/failures"] == 3
+    np.testing.assert_array_equal(per["short"], [0, 0, 0, 0]); assert m["rewards/short/failures"] == 4
+    np.testing.assert_allclose(total, 2 * per["correctness"] + per["_boom"] + per["weird"])
+    assert m["rewards/failures"] == 1 + 4 + 3 + 4
+    assert m["rewards/correctness/mean"] == pytest.approx(0.5) and m["rewards/total/mean"] == pytest.approx(total.mean())
+
+def test_columns_by_name_and_validation():
+    seen = {}
+    def named(prompts, completions, level): return [float(x) for x in level]
+    def kwargs(prompts, completions, **columns): seen.update(columns); return [0.0] * len(completions)
+    total, per, _ = compute_rewards([named, kwargs], ["a", "b"], ["x", "y"], {"level": [1, 2], "other": ["u", "v"]})
+    np.testing.assert_array_equal(per["named"], [1, 2]); assert seen == {"level": [1, 2], "other": ["u", "v"]}
+    with pytest.raises(ValueError, match="rows"): compute_rewards("format", ["a"], ["x"], {"level": [1, 2]})
+    with pytest.raises(ValueError, match="prompts"): compute_rewards("format", ["a", "b"], ["x"])
+    with pytest.raises(ValueError, match="clashes"): compute_rewards("format", ["a"], ["x"], {"prompts": ["a"]})
+    total, per, m = compute_rewards("format", [], [])
+    assert total.shape == (0,) and m["rewards/failures"] == 0
+
+def test_resolve_by_import_path(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def length_reward(prompts, completions, **kw):\n    return [float(len(c)) for c in completions]\n"
+        "class Holder:\n    @staticmethod\n    def half(prompts, completions, **kw): return [0.5] * len(completions)\n"
+        "NOT_CALLABLE = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = resolve_reward_fn("my_rewards:length_reward")
+    assert fn([""], ["abc"]) == [3.0]
+    assert resolve_reward_fn("my_rewards.length_reward") is fn
+    assert resolve_reward_fn("my_rewards:Holder.half")(["p"], ["c"]) == [0.5]
+    assert resolve_reward_fn("correctness") is correctness_reward and resolve_reward_fn("format") is format_reward
+    total, per, m = compute_rewards({"my_rewards:length_reward": 0.5, "format": 1.0}, ["p", "p"], ["ab", "abcd"])
+    np.testing.assert_allclose(total, [1.0, 2.0]); assert set(per) == {"length_reward", "format"}
+    with pytest.raises(ValueError, match="cannot import module 'no_such_pkg.mod'"): resolve_reward_fn("no_such_pkg.mod:fn")
+    with pytest.raises(ValueError, match="has no attribute"): resolve_reward_fn("my_rewards:missing")
+    with pytest.raises(ValueError, match="built-in"): resolve_reward_fn("correctnes")
+    with pytest.raises(TypeError, match="not a callable"): resolve_reward_fn("my_rewards:NOT_CALLABLE")
+
+def test_reward_specs():
+    specs = as_reward_specs([RewardSpec("format", 0.5), {"fn": "correctness", "weight": 2, "name": "acc"}, (format_reward, 1, "fmt2")])
+    assert [(s.name, s.weight) for s in specs] == [("format", 0.5), ("acc", 2.0), ("fmt2", 1.0)]
+    assert [s.name for s in as_reward_specs(correctness_reward)] == ["correctness_reward"]
+    with pytest.raises(ValueError, match="unique"): as_reward_specs([format_reward, format_reward])

@@ -1,0 +1,162 @@
+"""maxpost.sft_loss against a naive NumPy cross-entropy; gradient accumulation; masking; z-loss."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxpost.sft_loss import sft_loss, summarize_metrics, target_weights, token_logps
+
+
+def _naive(logits, batch, num_loss_tokens=None, z_loss=0.0):
+    "Loop over positions in float64: (sum of NLL + z_loss * sum logZ^2) / N, accuracy, count."
+    z = np.asarray(logits, np.float64)
+    tok, seg, lm = (np.asarray(batch[k]) for k in ("tokens", "segment_ids", "loss_mask"))
+    nll, zs, n, correct = 0.0, 0.0, 0, 0
+    for b in range(tok.shape[0]):
+        for t in range(1, tok.shape[1]):
+            if lm[b, t] == 1 and seg[b, t] != 0 and seg[b, t] == seg[b, t - 1]:
+                row = z[b, t - 1]
+                lse = row.max() + np.log(np.exp(row - row.max()).sum())
+                nll += lse - row[tok[b, t]]
+                zs += lse**2
+                n += 1
+                correct += int(np.argmax(row) == tok[b, t])
+    denom = max(n if num_loss_tokens is None else num_loss_tokens, 1)
+    return (nll + z_loss * zs) / denom, correct, n
+
+
+def _batch(rng, B=4, L=12, V=17):
+    seg = np.zeros((B, L), np.int32)
+    for b in range(B):  # 1-3 packed segments then padding
+        cuts = np.sort(rng.choice(np.arange(1, L), size=rng.integers(1, 4), replace=False))
+        s, start = 1, 0
+        for c in list(cuts):
+            seg[b, start:c] = s
+            s, start = s + 1, c
+        # leave the tail after the last cut as padding (segment 0)
+    return {"tokens": rng.integers(0, V, (B, L)).astype(np.int32), "segment_ids": seg,
+            "loss_mask": (rng.random((B, L)) < 0.6).astype(np.int32)}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_token_logps_matches_naive(dtype):
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(3, 7, 29)) * 4, dtype)
+    tokens = rng.integers(0, 29, (3, 7))
+    got = token_logps(logits, jnp.asarray(tokens))
+    assert got.dtype == jnp.float32
+    z = np.asarray(logits.astype(jnp.float32), np.float64)
+    ref = np.take_along_axis(z, tokens[..., None], -1)[..., 0] - np.log(np.exp(z).sum(-1))
+    np.testing.assert_allclose(np.asarray(got), ref, atol=2e-5)
+
+
+def test_token_logps_has_no_one_hot():
+    "The jaxpr of token_logps gathers: no [B,T,V] equality/one-hot against the vocabulary iota."
+    jaxpr = str(jax.make_jaxpr(token_logps)(jnp.zeros((2, 3, 50)), jnp.zeros((2, 3), jnp.int32)))
+    assert "gather" in jaxpr and "iota" not in jaxpr and " eq " not in jaxpr
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("z_loss", [0.0, 1e-4, 0.3])
+def test_sft_loss_matches_naive(seed, z_loss):
+    rng = np.random.default_rng(seed)
+    batch = _batch(rng)
+    logits = rng.normal(size=(4, 12, 17)).astype(np.float32) * 2
+    loss, m = sft_loss(jnp.asarray(logits), batch, z_loss=z_loss)
+    ref, correct, n = _naive(logits, batch, z_loss=z_loss)
+    np.testing.assert_allclose(float(loss), ref, rtol=1e-5, atol=1e-6)
+    assert float(m["num_loss_tokens"]) == n and float(m["num_correct"]) == correct
+    s = summarize_metrics(m)
+    np.testing.assert_allclose(float(s["accuracy"]), correct / max(n, 1), rtol=1e-6)
+    np.testing.assert_allclose(float(s["nll"]), _naive(logits, batch)[0], rtol=1e-5)
+    # given a global count, the loss is the sum divided by it
+    lg, _ = sft_loss(jnp.asarray(logits), batch, num_loss_tokens=3 * n + 1, z_loss=z_loss)
+    np.testing.assert_allclose(float(lg), _naive(logits, batch, 3 * n + 1, z_loss)[0], rtol=1e-5, atol=1e-7)
+
+
+def test_z_loss_term_alone():
+    "The z-loss adds coefficient * mean over loss tokens of logsumexp^2 (PaLM)."
+    rng = np.random.default_rng(1)
+    batch = _batch(rng)
+    logits = rng.normal(size=(4, 12, 17)).astype(np.float32) + 3.0  # logZ far from 0
+    base = float(sft_loss(jnp.asarray(logits), batch)[0])
+    with_z = float(sft_loss(jnp.asarray(logits), batch, z_loss=1e-2)[0])
+    w = np.asarray(target_weights(batch), bool)
+    z = np.asarray(logits, np.float64)[:, :-1]
+    lse = np.log(np.exp(z).sum(-1))
+    np.testing.assert_allclose(with_z - base, 1e-2 * (lse[w] ** 2).mean(), rtol=1e-4)
+
+
+def test_gradient_accumulation_equals_big_batch():
+    "Sum over micro-batches of loss/grad with the global count == loss/grad of the big batch; mean of means is not."
+    rng = np.random.default_rng(2)
+    B, L, V = 8, 10, 13
+    batch = _batch(rng, B, L, V)
+    batch["segment_ids"][:4, :] = np.where(np.arange(L) < 3, 1, 0)  # first half: very short rows
+    logits = jnp.asarray(rng.normal(size=(B, L, V)), jnp.float32)
+    f = lambda lg, bt, n=None, z=0.0: sft_loss(lg, bt, num_loss_tokens=n, z_loss=z)[0]
+    for z in (0.0, 1e-3):
+        N = float(target_weights(batch).sum())
+        big_l, big_g = jax.value_and_grad(f)(logits, batch, None, z)
+        acc_l, acc_g, means = 0.0, [], []
+        for s in (slice(0, 2), slice(2, 5), slice(5, 8)):  # uneven micro-batches
+            mb = {k: v[s] for k, v in batch.items()}
+            l, g = jax.value_and_grad(f)(logits[s], mb, N, z)
+            acc_l, means = acc_l + l, means + [f(logits[s], mb, None, z)]
+            acc_g.append(g)
+        np.testing.assert_allclose(float(acc_l), float(big_l), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(jnp.concatenate(acc_g)), np.asarray(big_g), atol=1e-7)
+        assert abs(float(np.mean(means)) - float(big_l)) > 1e-3  # the biased alternative really differs here
+
+
+def test_padding_and_cross_segment_targets_never_count():
+    "Changing tokens/logits at ignored targets (pad, a segment's first token, mask 0) changes neither loss nor grad."
+    rng = np.random.default_rng(3)
+    batch = _batch(rng)
+    batch["loss_mask"][:] = 1  # a careless mask: only segment ids protect pads and boundaries
+    logits = rng.normal(size=(4, 12, 17)).astype(np.float32)
+    w = np.asarray(target_weights(batch))
+    seg = batch["segment_ids"]
+    ignored = w == 0
+    assert ignored.any() and (seg[:, 1:] != seg[:, :-1]).any()
+    # manual rule check
+    expected = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
+    np.testing.assert_array_equal(w.astype(bool), expected)
+    f = lambda lg, bt: sft_loss(lg, bt, z_loss=1e-3)[0]
+    l0, g0 = jax.value_and_grad(f)(jnp.asarray(logits), batch)
+    noisy, b2 = logits.copy(), {k: v.copy() for k, v in batch.items()}
+    bi, ti = np.nonzero(ignored)
+    noisy[bi, ti] = rng.normal(size=(len(bi), 17)) * 100
+    b2["tokens"][bi, ti + 1] = rng.integers(0, 17, len(bi))
+    l1, g1 = jax.value_and_grad(f)(jnp.asarray(noisy), b2)
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(g1)[bi, ti], 0.0)
+    keep = ~ignored
+    np.testing.assert_allclose(np.asarray(g1)[:, :-1][keep], np.asarray(g0)[:, :-1][keep], atol=1e-7)
+    assert np.all(np.asarray(g0)[:, -1] == 0)  # the last position predicts nothing
+
+
+def test_gradient_matches_naive_analytic():
+    "d loss / d logits = w * (softmax + 2*zc*lse*softmax - onehot) / N, computed in NumPy."
+    rng = np.random.default_rng(4)
+    batch = _batch(rng)
+    logits = rng.normal(size=(4, 12, 17)).astype(np.float32)
+    zc = 1e-2
+    g = jax.grad(lambda lg: sft_loss(lg, batch, z_loss=zc)[0])(jnp.asarray(logits))
+    z = np.asarray(logits, np.float64)[:, :-1]
+    p = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+    lse = np.log(np.exp(z).sum(-1))
+    onehot = np.eye(17)[batch["tokens"][:, 1:]]
+    w = np.asarray(target_weights(batch), np.float64)
+    ref = w[..., None] * (p - onehot + zc * 2 * lse[..., None] * p) / w.sum()
+    np.testing.assert_allclose(np.asarray(g)[:, :-1], ref, atol=1e-6)
+
+
+def test_jit_matches_eager():
+    rng = np.random.default_rng(5)
+    batch = _batch(rng)
+    logits = jnp.asarray(rng.normal(size=(4, 12, 17)), jnp.float32)
+    eager = sft_loss(logits, batch, num_loss_tokens=40, z_loss=1e-3)
+    jitted = jax.jit(lambda lg, bt, n: sft_loss(lg, bt, num_loss_tokens=n, z_loss=1e-3))(logits, batch, 40)
+    for k in eager[1]:
+        np.testing.assert_allclose(float(jitted[1][k]), float(eager[1][k]), rtol=1e-6)

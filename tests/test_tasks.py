@@ -1,0 +1,168 @@
+"""The embedded task: determinism, disjoint splits, arithmetic that checks out, knobs, files, and the tokenizer."""
+import json, os, re, subprocess, sys
+from collections import Counter
+
+import pytest
+
+from maxpost.tasks import (Difficulty, SYSTEM_PROMPT, TAGS, build_tokenizer, format_completion, generate_problems,
+                           make_splits, prepare_embedded, prompt_messages, sft_messages, write_embedded_task)
+
+_EQ = re.compile(r"(-?\d+) ([-+*]) (\d+) = (-?\d+)")
+
+def redo(problem):
+    """Recompute a problem from its text alone: (question numbers, [(x, op, b, y)], final) with every check done."""
+    q, a = problem["question"], problem["answer"]
+    *lines, last = a.split("\n")
+    assert re.fullmatch(r"#### \d+", last), last
+    start = int(re.search(r"starts with (\d+)", lines[0])[1])
+    steps, x = [], start
+    for line in lines[1:]:
+        (xs, op, bs, ys), = _EQ.findall(line)                      # exactly one equation per reasoning line
+        xv, b, y = int(xs), int(bs), int(ys)
+        assert xv == x, (line, x)                                   # each step starts from the previous result
+        assert y == {"+": xv + b, "-": xv - b, "*": xv * b}[op], line
+        steps.append((xv, op, b, y)); x = y
+    assert int(last[5:]) == x
+    q_numbers = [int(n) for n in re.findall(r"\d+", q)]
+    assert q_numbers == [start] + [b for _, _, b, _ in steps], (q, steps)   # the question states exactly these numbers
+    return steps, x
+
+@pytest.fixture(scope="module")
+def splits(): return make_splits(seed=0, n_train=3000, n_test=500)
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok"); return build_tokenizer(d), d
+
+def test_default_knobs_match_the_prototype():
+    d = Difficulty()
+    assert (d.min_steps, d.max_steps, d.max_operand, d.min_multiplier, d.max_multiplier, d.max_value, d.operations) == \
+        (1, 3, 20, 2, 5, 99, ("+", "-", "*"))
+
+def test_deterministic_across_processes(splits):
+    code = ("import json; from maxpost.tasks import make_splits; "
+            "print(json.dumps(make_splits(seed=0, n_train=3000, n_test=500)))")
+    env = dict(os.environ, PYTHONHASHSEED="123")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert json.loads(out) == [list(splits[0]), list(splits[1])]
+    assert generate_problems(50, seed=1) != generate_problems(50, seed=0)
+    assert generate_problems(50, seed=0, split="a") != generate_problems(50, seed=0, split="b")
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_splits_disjoint_and_distinct(seed):
+    train, test = make_splits(seed=seed, n_train=4000, n_test=800)
+    tq, sq = [p["question"] for p in train], [p["question"] for p in test]
+    assert len(set(tq)) == len(tq) == 4000 and len(set(sq)) == len(sq) == 800
+    assert not set(tq) & set(sq)
+    assert make_splits(seed=seed, n_train=10, n_test=800)[1] == test     # the test set does not move with n_train
+
+def test_answers_are_the_arithmetic(splits):
+    for p in splits[0] + splits[1]:
+        steps, final = redo(p)
+        assert 1 <= len(steps) <= 3 and all(0 <= y <= 99 for *_, y in steps)
+
+@pytest.mark.parametrize("knobs", [
+    dict(min_steps=1, max_steps=1, operations=("+",)),
+    dict(min_steps=2, max_steps=2, operations=("-", "*"), max_operand=9),
+    dict(min_steps=4, max_steps=6, max_operand=50, min_multiplier=3, max_multiplier=3, max_value=500),
+    dict(min_steps=3, max_steps=3, operations=("*",), max_operand=5, max_value=1000, max_multiplier=4),
+])
+def test_difficulty_knobs(knobs):
+    d = Difficulty(**knobs)
+    problems = generate_problems(400, seed=3, difficulty=d)
+    counts, ops = Counter(), Counter()
+    for p in problems:
+        steps, _ = redo(p)
+        counts[len(steps)] += 1
+        assert 1 <= steps[0][0] <= d.max_operand                       # the starting number
+        for x, op, b, y in steps:
+            ops[op] += 1
+            assert op in d.operations and 0 <= y <= d.max_value
+            if op == "*": assert d.min_multiplier <= b <= d.max_multiplier
+            else: assert 1 <= b <= d.max_operand
+    assert set(counts) == set(range(d.min_steps, d.max_steps + 1))       # every step count occurs, no other
+    assert set(ops) == set(d.operations)
+
+def test_bad_knobs():
+    with pytest.raises(ValueError): Difficulty(operations=("/",))
+    with pytest.raises(ValueError): Difficulty(min_multiplier=1)
+    with pytest.raises(ValueError, match="distinct"):
+        generate_problems(1000, difficulty=Difficulty(max_steps=1, max_operand=1, operations=("*",)))
+
+def test_prompt_and_completion(splits):
+    p = splits[1][0]
+    msgs = sft_messages(p)
+    assert msgs[:2] == prompt_messages(p["question"]) == [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": p["question"]}]
+    c = msgs[2]["content"]
+    m = re.fullmatch(r"<reasoning>(.*)</reasoning><answer>(\d+)</answer>", c, re.S)
+    assert m and m[1] == p["answer"].split("\n####")[0] and m[2] == p["answer"].split("#### ")[1]
+    assert all(t in SYSTEM_PROMPT for t in TAGS)
+    assert sft_messages(p, system_prompt=None)[0]["role"] == "user"
+
+def test_files_load_with_datasets(tmp_path):
+    import datasets
+    paths = write_embedded_task(tmp_path, seed=4, n_train=300, n_test=40, max_steps=2)
+    assert set(paths) == {"train", "test", "sft_train", "sft_test"}
+    ds = datasets.load_dataset("json", data_files={"train": paths["train"], "test": paths["test"]}, cache_dir=str(tmp_path / "c"))
+    train, test = make_splits(seed=4, n_train=300, n_test=40, difficulty=Difficulty(max_steps=2))
+    assert ds["train"].to_list() == train and ds["test"].to_list() == test
+    sft = datasets.load_dataset("json", data_files={"train": paths["sft_train"], "test": paths["sft_test"]}, cache_dir=str(tmp_path / "c"))
+    assert sft["test"].column_names == ["messages"]
+    assert [r["messages"] for r in sft["test"]] == [sft_messages(p) for p in test]
+
+def test_tokenizer_round_trip_and_size(tok, splits):
+    tokenizer, _ = tok
+    assert len(tokenizer) <= 512
+    texts = []
+    for p in splits[0][:1500] + splits[1]:
+        texts += [p["question"], p["answer"], format_completion(p["answer"]),
+                  tokenizer.apply_chat_template(sft_messages(p), tokenize=False)]
+    texts += ["An unseen word: photosynthesis!", "Caf\u00e9 \u2615 \u4e2d\u6587", "tabs\tand\r\nnewlines", "  two  spaces  "]
+    for t in texts:
+        ids = tokenizer.encode(t, add_special_tokens=False)
+        assert tokenizer.unk_token_id not in ids, t
+        assert tokenizer.decode(ids) == t
+
+def test_tokenizer_pieces(tok):
+    tokenizer, _ = tok
+    vocab = tokenizer.get_vocab()
+    for d in "0123456789": assert d in vocab
+    assert not [t for t in vocab if re.search(r"\d", t) and len(t) > 1 and not t.startswith("<0x")]   # digits never merged
+    assert tokenizer.tokenize("1234") == ["1", "2", "3", "4"]
+    for word in ["Mia", " apples", " gives", " How", " many", " starts"]: assert word in vocab        # template words whole
+    assert tokenizer.tokenize("Mia has 12 apples.") == ["Mia", " has", " ", "1", "2", " apples", "."]
+    for t in TAGS:                                                     # tags: single, not special
+        assert tokenizer.tokenize(t) == [t] and t not in tokenizer.all_special_tokens
+    assert tokenizer.decode(tokenizer.encode("<answer>7</answer><|im_end|>"), skip_special_tokens=True) == "<answer>7</answer>"
+    assert len(tokenizer.tokenize("photosynthesis")) > 1               # an unknown word falls back to pieces
+
+def test_chat_template_and_auto_tokenizer(tok, splits):
+    from transformers import AutoTokenizer
+    tokenizer, d = tok
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    assert "{% generation %}" in config["chat_template"]
+    auto = AutoTokenizer.from_pretrained(d)
+    assert (auto.pad_token, auto.eos_token, auto.pad_token_id) == ("<|pad|>", "<|im_end|>", 0)
+    p = splits[1][0]
+    msgs = sft_messages(p)
+    expected = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in msgs)
+    assert auto.apply_chat_template(msgs, tokenize=False) == expected
+    gen = auto.apply_chat_template(msgs[:2], tokenize=False, add_generation_prompt=True)
+    assert gen == expected.rsplit("<|im_start|>assistant", 1)[0] + "<|im_start|>assistant\n"
+    enc = auto.apply_chat_template(msgs, return_dict=True, return_assistant_tokens_mask=True)
+    assert enc["input_ids"] == tokenizer.encode(expected, add_special_tokens=False)
+    marked = [i for i, m in zip(enc["input_ids"], enc["assistant_masks"]) if m]
+    assert auto.decode(marked) == msgs[2]["content"] + "<|im_end|>"
+
+def test_prepare_embedded_is_idempotent(tmp_path):
+    paths = prepare_embedded(tmp_path, n_train=200, n_test=30)
+    stamps = {k: os.stat(v).st_mtime_ns for k, v in paths.items() if k != "tokenizer"}
+    stamps["tok"] = os.stat(tmp_path / "tokenizer.json").st_mtime_ns
+    assert prepare_embedded(tmp_path, n_train=200, n_test=30) == paths
+    assert stamps == {**{k: os.stat(v).st_mtime_ns for k, v in paths.items() if k != "tokenizer"},
+                      "tok": os.stat(tmp_path / "tokenizer.json").st_mtime_ns}
+    prepare_embedded(tmp_path, n_train=200, n_test=30, max_steps=1)         # a different request rewrites
+    assert all(len(redo(json.loads(l))[0]) == 1 for l in open(paths["train"]))
+    os.remove(paths["sft_test"])                                              # a missing file is rewritten
+    prepare_embedded(tmp_path, n_train=200, n_test=30, max_steps=1)
+    assert sum(1 for _ in open(paths["sft_test"])) == 30
