@@ -1,0 +1,236 @@
+"""Sampler checks: cache vs full forward, log-prob agreement, filters, recompilation, seeds, stop ids, truncation."""
+import warnings
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxpost.model import create_model, get_model_config
+from maxpost.sampling import (Rollout, completion_logps, filter_logits, generate, left_pad, sample_completions,
+                              stop_id_array)
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16, 17]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return create_model(get_model_config("tiny", num_layers=2), seed=0)
+
+
+_forward = nnx.jit(lambda m, x: m(x))
+
+
+def full_logits(model, tokens, width=64):
+    """Logits [len, V] of one unpadded sequence from a plain full forward (no cache, default positions/segments).
+
+    The sequence starts a row of fixed `width` (one compilation); causal attention keeps the filler after it
+    from changing its logits."""
+    x = np.zeros((1, width), np.int32)
+    x[0, :len(tokens)] = tokens
+    return np.asarray(_forward(model, jnp.asarray(x))[0, :len(tokens)], np.float64)
+
+
+def teacher_forced_logits(model, r: Rollout):
+    "[B,T,V] logits that predicted each completion token, from the full forward of each unpadded row."
+    out = []
+    for p, pm, c in zip(r.prompt_ids, r.prompt_mask, r.completion_ids):
+        prompt = p[pm > 0].tolist()
+        out.append(full_logits(model, prompt + c.tolist())[len(prompt) - 1:len(prompt) - 1 + len(c)])
+    return np.stack(out)
+
+
+def log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 20, 0.9), (0.0, 0, 1.0)])
+def test_sampler_logps_equal_teacher_forced(model, temperature, top_k, top_p):
+    r = generate(model, PROMPTS, max_prompt_length=32, max_completion_length=10, num_generations=3,
+                 temperature=temperature, top_k=top_k, top_p=top_p, seed=1)
+    tf = np.asarray(completion_logps(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                                     temperature=temperature))
+    assert np.abs(tf - r.per_token_logps).max() < 1e-4
+    # and both equal an independent NumPy log-softmax of per-row unpadded full forwards
+    t = temperature if temperature > 0 else 1.0
+    ref = np.take_along_axis(log_softmax(teacher_forced_logits(model, r) / t), r.completion_ids[..., None], -1)[..., 0]
+    ref = np.where(r.completion_mask > 0, ref, 0.0)
+    assert np.abs(ref - r.per_token_logps).max() < 1e-4
+
+
+def test_greedy_equals_naive_argmax_loop(model):
+    T = 8
+    r = generate(model, PROMPTS, max_prompt_length=32, max_completion_length=T, temperature=0.0)
+    for prompt, row in zip(PROMPTS, r.completion_ids):
+        seq = list(prompt)
+        for _ in range(T):
+            seq.append(int(np.argmax(full_logits(model, seq)[-1])))
+        assert row.tolist() == seq[len(prompt):]
+    assert r.completion_mask.all()
+
+
+def test_filter_logits_known_sets():
+    z = jnp.log(jnp.array([[0.05, 0.4, 0.05, 0.3, 0.2]]))
+    kept = lambda t, k, p: np.isfinite(np.asarray(filter_logits(z, t, k, p)))[0].tolist()
+    assert kept(1.0, 2, 1.0) == [False, True, False, True, False]
+    assert kept(1.0, 0, 0.6) == [False, True, False, True, False]
+    assert kept(1.0, 0, 0.75) == [False, True, False, True, True]
+    assert kept(1.0, 1, 1.0) == kept(1.0, 0, 0.01) == [False, True, False, False, False]
+    # temperature changes the nucleus: at τ=0.5 the top two hold 0.16+0.09 of 0.2925 > 0.75 of the mass
+    assert kept(0.5, 0, 0.75) == [False, True, False, True, False]
+
+
+def test_sampled_tokens_inside_top_k_and_top_p(model):
+    G, T = 16, 8
+    for temperature, top_k, top_p in [(1.0, 4, 1.0), (1.5, 0, 0.5), (2.0, 10, 0.7)]:
+        r = generate(model, PROMPTS, max_prompt_length=32, max_completion_length=T, num_generations=G,
+                     temperature=temperature, top_k=top_k, top_p=top_p, seed=7)
+        z = teacher_forced_logits(model, r) / temperature               # [B,T,V]
+        chosen = np.take_along_axis(z, r.completion_ids[..., None], -1)[..., 0]
+        if top_k:
+            kth = -np.sort(-z, -1)[..., top_k - 1]
+            assert (chosen >= kth - 1e-4).all()
+            z = np.where(z >= kth[..., None], z, -np.inf)
+        if top_p < 1:
+            p = np.exp(log_softmax(z))
+            ahead = np.where(z > chosen[..., None] + 1e-4, p, 0.0).sum(-1)  # mass of strictly likelier tokens
+            assert (ahead < top_p + 1e-4).all()
+        assert len(np.unique(r.completion_ids)) > 10                    # it really sampled
+
+
+def test_first_token_frequencies_match_filtered_softmax(model):
+    n, temperature, top_k = 2048, 0.7, 5
+    r = generate(model, [[3, 1, 4, 1, 5]], max_prompt_length=16, max_completion_length=1, num_generations=n,
+                 temperature=temperature, top_k=top_k, seed=0)
+    z = full_logits(model, [3, 1, 4, 1, 5])[-1] / temperature
+    top = np.argsort(-z)[:top_k]
+    p = np.exp(z[top] - z[top].max()); p /= p.sum()
+    freq = np.array([(r.completion_ids[:, 0] == t).mean() for t in top])
+    assert freq.sum() == 1.0
+    assert np.abs(freq - p).max() < 4 * np.sqrt(p * (1 - p) / n).max() + 1e-3
+
+
+def test_no_recompile_for_knobs_lengths_and_weights(model):
+    sample_completions.clear_cache()
+    kw = dict(max_prompt_length=64, max_completion_length=4, num_generations=2, eos_ids=[5])
+    a = generate(model, [[1, 2, 3], [4, 5]], temperature=1.0, **kw)
+    generate(model, [[1] * 9, [4, 5, 6, 7]], temperature=0.3, top_k=7, top_p=0.5, seed=5, **kw)
+    generate(model, [[1] * 16, [4]], temperature=0.0, top_k=3, **kw)
+    generate(model, [[1, 2, 3], [4, 5]], temperature=1, top_p=1, **kw)        # Python ints for floats
+    generate(model, [[1, 2, 3], [4, 5]], **{**kw, "eos_ids": [5, 6, 7]})     # more stop ids, same slot count
+    # new weights (what an RL update does): same program, different output
+    graphdef, state = nnx.split(model)
+    other = nnx.merge(graphdef, jax.tree.map(lambda x: x * 1.5, state))
+    b = generate(other, [[1, 2, 3], [4, 5]], temperature=1.0, **kw)
+    assert sample_completions._cache_size() == 1
+    assert not np.array_equal(a.per_token_logps, b.per_token_logps)
+    generate(model, [[1] * 17, [4]], **kw)                                   # next bucket
+    assert sample_completions._cache_size() == 2
+
+
+def test_seed_reproducible(model):
+    kw = dict(max_prompt_length=32, max_completion_length=8, num_generations=2, temperature=1.0)
+    a, b = generate(model, PROMPTS, seed=3, **kw), generate(model, PROMPTS, seed=3, **kw)
+    c = generate(model, PROMPTS, seed=4, **kw)
+    np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+    np.testing.assert_array_equal(a.per_token_logps, b.per_token_logps)
+    assert not np.array_equal(a.completion_ids, c.completion_ids)
+    assert not np.array_equal(a.completion_ids[0], a.completion_ids[1])      # the G samples of a prompt differ
+
+
+def test_stop_ids_mask_and_padding(model):
+    T, pad = 8, 0
+    ref = generate(model, PROMPTS, max_prompt_length=32, max_completion_length=T, temperature=0.0)
+    stops = [int(ref.completion_ids[0, 2]), int(ref.completion_ids[1, 4])]
+    r = generate(model, PROMPTS, max_prompt_length=32, max_completion_length=T, temperature=0.0,
+                 eos_ids=stops, pad_id=pad)
+    hit = 0
+    for row, m, lp, full in zip(r.completion_ids, r.completion_mask, r.per_token_logps, ref.completion_ids):
+        is_stop = np.isin(full, stops)
+        n = int(np.argmax(is_stop)) + 1 if is_stop.any() else T                # up to and including the first stop
+        hit += is_stop.any()
+        assert m.tolist() == [1] * n + [0] * (T - n)
+        assert row.tolist() == full[:n].tolist() + [pad] * (T - n)
+        assert (lp[n:] == 0).all() and (lp[:n] < 0).all()
+    assert hit >= 2 and r.completion_mask[0].sum() <= 3
+
+
+def test_loop_exits_early_when_all_rows_done(model):
+    ids, mask, _ = left_pad(PROMPTS, 32)
+    graphdef, state = nnx.split(model)
+    every_token = np.arange(model.cfg.vocab_size, dtype=np.int32)               # whatever is sampled stops
+    out = sample_completions(graphdef, state, ids, mask, jax.random.key(0), np.float32(1.0), np.int32(0),
+                             np.float32(1.0), every_token, np.int32(0), max_completion_length=16)
+    c_ids, c_mask, logps, steps = map(np.asarray, out)
+    assert int(steps) == 1
+    assert c_mask[:, 0].all() and not c_mask[:, 1:].any() and (c_ids[:, 1:] == 0).all()
+
+
+def test_left_truncation_counts_and_keeps_the_end(model):
+    long1, long2 = list(range(1, 41)), list(range(100, 150))
+    with pytest.warns(UserWarning, match="2 of 3 prompts"):
+        r = generate(model, [long1, [7, 8], long2], max_prompt_length=24, max_completion_length=4,
+                     num_generations=2, temperature=0.0)
+    assert r.num_truncated_prompts == 2
+    assert r.prompt_ids.shape == (6, 24)
+    assert r.prompt_ids[0].tolist() == long1[-24:] and r.prompt_ids[4].tolist() == long2[-24:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = generate(model, [long1[-24:], [7, 8], long2[-24:]], max_prompt_length=24, max_completion_length=4,
+                     num_generations=2, temperature=0.0)
+    assert s.num_truncated_prompts == 0
+    np.testing.assert_array_equal(r.completion_ids, s.completion_ids)
+
+
+def test_completion_logps_gradient_matches_finite_difference(model):
+    r = generate(model, PROMPTS, max_prompt_length=32, max_completion_length=6, temperature=0.8, seed=2)
+    graphdef, state = nnx.split(model)
+    args = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+
+    @jax.jit
+    def f(state):
+        return completion_logps(nnx.merge(graphdef, state), *args, temperature=0.8).sum()
+
+    g = jax.grad(f)(state)
+    direction = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape, x.dtype), state)
+    eps = 1e-3
+    fd = (f(jax.tree.map(lambda x, d: x + eps * d, state, direction)) -
+          f(jax.tree.map(lambda x, d: x - eps * d, state, direction))) / (2 * eps)
+    analytic = sum(jnp.vdot(a, d) for a, d in zip(jax.tree.leaves(g), jax.tree.leaves(direction)))
+    assert abs(float(fd) - float(analytic)) < 2e-2 * max(1.0, abs(float(analytic)))
+    np.testing.assert_allclose(float(f(state)), r.per_token_logps.sum(), rtol=1e-5)
+
+
+def test_text_decodes_up_to_and_excluding_the_stop(model):
+    class Tok:
+        def decode(self, ids, skip_special_tokens=False):
+            assert skip_special_tokens is False
+            return " ".join(map(str, ids))
+    ref = generate(model, PROMPTS, max_prompt_length=32, max_completion_length=6, temperature=0.0)
+    stop = int(ref.completion_ids[0, 3])
+    r = generate(model, PROMPTS, max_prompt_length=32, max_completion_length=6, temperature=0.0,
+                 eos_ids=[stop], tokenizer=Tok())
+    for row, m, text in zip(r.completion_ids, r.completion_mask, r.text):
+        assert text == " ".join(str(t) for t in row[m > 0] if t != stop)
+    assert r.text[0] == " ".join(map(str, ref.completion_ids[0, :ref.completion_ids[0].tolist().index(stop)]))
+
+
+def test_misuse_raises(model):
+    with pytest.raises(ValueError):
+        generate(model, [[1], []], max_prompt_length=8, max_completion_length=2)
+    with pytest.raises(ValueError):
+        generate(model, [[1]], max_prompt_length=8, max_completion_length=2, temperature=-1.0)
+    assert stop_id_array([1, 2]).shape == (8,)
+
+
+def test_sharded_model_samples_like_unsharded(model):
+    from maxpost.sharding import make_mesh
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    sharded = create_model(model.cfg, seed=0, mesh=mesh)
+    kw = dict(max_prompt_length=32, max_completion_length=6, num_generations=2, temperature=0.0)
+    ref = generate(model, PROMPTS, **kw)
+    with jax.set_mesh(mesh):
+        r = generate(sharded, PROMPTS, **kw)
+    np.testing.assert_array_equal(r.completion_ids, ref.completion_ids)
+    np.testing.assert_allclose(r.per_token_logps, ref.per_token_logps, atol=1e-4)
