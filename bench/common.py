@@ -1,0 +1,174 @@
+"""Shared pieces of the benchmark scripts: model shapes, thread settings, the subprocess driver, timing, memory.
+
+Every measurement runs in its own subprocess (`python bench/X.py --worker NAME ...`) that prints one JSON line;
+the driver (`python bench/X.py`) launches the workers one after another with the same environment and prints a
+table with the ratio maxpost / peer. Nothing here imports JAX or torch: each worker imports only its framework.
+"""
+from __future__ import annotations
+import json, os, resource, statistics, subprocess, sys, time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+TRL_SITE = os.environ.get("MAXPOST_BENCH_TRL_SITE", "/work/bench-peers/trl-site")   # trl + accelerate (--target)
+VLLM_PY = os.environ.get("MAXPOST_BENCH_VLLM_PY", "/work/vllm-venv/bin/python")
+THREADS = int(os.environ.get("MAXPOST_BENCH_THREADS", os.cpu_count() or 1))
+
+# Qwen3-style shapes shared by all frameworks. "tiny" is maxpost's preset; "20m" is ~20.4M parameters:
+# d_model 384, 10 layers, 6 query heads x 64 with 2 KV heads (GQA 3:1), MLP 3 x d_model as in Qwen3-0.6B,
+# vocab 8192, tied embeddings, qk-norm. Counted: embed 8192*384 = 3.15M; per layer attention 0.39M + MLP 1.33M.
+SHAPES = {
+    "tiny": dict(vocab_size=512, d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, mlp_dim=768,
+                 rope_theta=10_000.0, norm_eps=1e-6),
+    "20m": dict(vocab_size=8192, d_model=384, num_layers=10, num_heads=6, num_kv_heads=2, head_dim=64, mlp_dim=1152,
+                rope_theta=10_000.0, norm_eps=1e-6),
+}
+
+
+def thread_env() -> dict:
+    "The environment every worker runs with: same thread count for XLA, OpenMP, MKL and torch."
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS), OPENBLAS_NUM_THREADS=str(THREADS),
+               JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false", TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)   # one CPU device: no virtual device split
+    return env
+
+
+def param_count(shape: str) -> int:
+    s = SHAPES[shape]
+    d, n, k, h, f = s["d_model"], s["num_heads"], s["num_kv_heads"], s["head_dim"], s["mlp_dim"]
+    per_layer = d * n * h * 2 + d * k * h * 2 + 3 * d * f + 2 * d + 2 * h
+    return s["vocab_size"] * d + s["num_layers"] * per_layer + d
+
+
+def train_flops_per_token(shape: str, seq_len: int) -> float:
+    "6 N (matmul parameters, tied embedding counted once as the LM head) + 12 L (n h) T attention, as maxpost.train."
+    s = SHAPES[shape]
+    d, L, a, kv = s["d_model"], s["num_layers"], s["num_heads"] * s["head_dim"], s["num_kv_heads"] * s["head_dim"]
+    n = L * (d * (a + 2 * kv) + a * d + 3 * d * s["mlp_dim"]) + d * s["vocab_size"]
+    return 6 * n + 12 * L * a * seq_len
+
+
+def prompt_ids(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    "`n` random prompts of `length` token ids in [3, vocab) (0-2 stay free for pad / bos / eos)."
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    return rng.integers(3, vocab, size=(n, length)).tolist()
+
+
+def sft_batch(batch: int, seq: int, vocab: int, seed: int = 0) -> dict:
+    "A full (no padding) SFT batch as numpy int32: tokens, segment_ids, positions, loss_mask."
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, vocab, size=(batch, seq)).astype(np.int32)
+    ones = np.ones_like(tokens)
+    return dict(tokens=tokens, segment_ids=ones, positions=np.broadcast_to(np.arange(seq, dtype=np.int32), tokens.shape).copy(),
+                loss_mask=ones)
+
+
+def id_tokenizer(vocab: int, directory: str | Path | None = None, *, bos: bool = True):
+    "A Hugging Face fast tokenizer whose token i >= 3 is the word str(i) ('5 17 9' -> [5, 17, 9]); 0-2: pad, bos, eos."
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+    vocab_map = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{str(i): i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(vocab_map, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<pad>", pad_token="<pad>",
+                                 bos_token="<bos>" if bos else None, eos_token="<eos>")
+    hf.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    if directory is not None: hf.save_pretrained(str(directory))
+    return hf
+
+
+class PlainTokenizer:
+    "The id tokenizer behind Tunix's generic tokenizer protocol (encode/decode/bos_id/eos_id/pad_id); accepts np.str_."
+    def __init__(self, vocab: int): self.hf = id_tokenizer(vocab, bos=False)
+    def encode(self, text, **kw) -> list[int]: return self.hf.encode(str(text), add_special_tokens=False)
+    def decode(self, ids, **kw) -> str: return self.hf.decode([int(i) for i in ids], skip_special_tokens=True)
+    def bos_id(self): return None
+    def eos_id(self): return 2
+    def pad_id(self): return 0
+
+
+def ids_to_text(ids) -> str:
+    return " ".join(str(int(i)) for i in ids)
+
+
+def tree_rss_mb() -> float:
+    "Current resident set size of this process and all its children (MiB): engines that fork workers (vLLM)."
+    try: import psutil
+    except ImportError: return float("nan")
+    me = psutil.Process()
+    procs = [me, *me.children(recursive=True)]
+    total = 0
+    for p in procs:
+        try: total += p.memory_info().rss
+        except psutil.Error: pass
+    return total / 2**20
+
+
+def peak_rss_mb() -> float:
+    "Peak resident set size of this process (MiB)."
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def timed(fn, *, warmup: int, reps: int, sync=lambda out: out) -> tuple[list[float], object]:
+    "Run `fn` warmup + reps times; wall seconds of the timed reps (after `sync(out)`) and the last output."
+    out = None
+    for _ in range(warmup): out = sync(fn())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter(); out = sync(fn()); times.append(time.perf_counter() - t0)
+    return times, out
+
+
+def emit(record: dict) -> None:
+    "A worker's result: one JSON line, tagged so the driver can find it among library logs."
+    record.setdefault("peak_rss_mb", round(peak_rss_mb(), 1))
+    print("BENCH_RESULT " + json.dumps(record), flush=True)
+
+
+def median(xs): return statistics.median(xs) if xs else float("nan")
+
+
+def load_avg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def run_worker(script: str, args: list[str], *, python: str = PY, extra_path: str | None = None,
+               timeout: float = 900) -> dict:
+    "Launch `python script --worker ... args` in a fresh process; its BENCH_RESULT record, or an error record."
+    env = thread_env()
+    if extra_path: env["PYTHONPATH"] = extra_path + os.pathsep + env["PYTHONPATH"]
+    cmd = [python, str(Path(__file__).parent / script), *args]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {timeout}s", "cmd": " ".join(args)}
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith("BENCH_RESULT "):
+            rec = json.loads(line[len("BENCH_RESULT "):]); rec["process_s"] = round(time.perf_counter() - t0, 1)
+            rec["load_avg_after"] = load_avg()
+            return rec
+    tail = (p.stdout + p.stderr).strip().splitlines()[-15:]
+    return {"error": f"exit {p.returncode}", "log_tail": tail, "cmd": " ".join(args)}
+
+
+def print_table(title: str, rows: list[dict], cols: list[tuple[str, str]]) -> str:
+    "A GitHub-markdown table of `rows` over `cols` = [(key, header)]; also printed."
+    head = "| " + " | ".join(h for _, h in cols) + " |\n|" + "|".join(" --- " for _ in cols) + "|\n"
+    def fmt(v):
+        if isinstance(v, float): return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        return "" if v is None else str(v)
+    body = "".join("| " + " | ".join(fmt(r.get(k)) for k, _ in cols) + " |\n" for r in rows)
+    out = f"\n### {title}\n\n{head}{body}"
+    print(out, flush=True)
+    return out
+
+
+def save_results(name: str, payload: dict) -> Path:
+    d = Path(__file__).parent / "results"; d.mkdir(exist_ok=True)
+    p = d / f"{name}.json"; p.write_text(json.dumps(payload, indent=1)); return p

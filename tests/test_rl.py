@@ -1,0 +1,121 @@
+"""The RL trainer: reward failures, no reference model at beta = 0, pi_old with mu = 2, resume after a kill,
+the CLI and the papermill run."""
+import os, signal, subprocess, sys, time
+from pathlib import Path
+
+import jax, jax.numpy as jnp, numpy as np, pytest
+from flax import nnx
+
+from maxpost.config import load_config, run_dir
+from maxpost.rl import RLTrainer, train_rl
+from maxpost.train import read_metrics
+from maxpost.checkpoint import checkpoint_manager, restore_state
+from maxpost.model import create_model, get_model_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["load_parameters_path=", "model_name=tiny", "global_batch_size=8", "num_generations=4",
+         "max_prompt_length=96", "max_completion_length=12", "eval_interval=0", "eval_num_prompts=4", "eval_k=2",
+         "train_split=train[:64]", "learning_rate=1e-3", "log_period=1", "temperature=1.0"]
+
+
+def rl_cfg(tmp_path, *extra):
+    return load_config("rl", [f"base_output_directory={tmp_path}", "run_name=t", *SMALL, *extra])
+
+
+def boom(prompts, completions, **kw):
+    raise RuntimeError("a buggy reward")
+
+
+def length_reward(prompts, completions, **kw):
+    return [len(c) / 50 for c in completions]
+
+
+def test_a_reward_function_that_raises_does_not_stop_the_run(tmp_path):
+    cfg = rl_cfg(tmp_path, "steps=2")
+    tr = RLTrainer(cfg, reward_fns=[(length_reward, 1.0, "length"), (boom, 1.0, "boom")])
+    infos = [tr.update(tr.rollout()) for _ in range(2)]
+    assert tr.step == 2
+    for info in infos:
+        assert info["rewards/boom/failures"] == cfg.global_batch_size
+        assert info["rewards/boom/mean"] == 0.0 and np.isfinite(info["loss"])
+
+
+def test_beta_zero_builds_no_reference_model(tmp_path):
+    assert RLTrainer(rl_cfg(tmp_path, "beta=0")).ref_params is None
+    tr = RLTrainer(rl_cfg(tmp_path, "beta=0.1"))
+    assert tr.ref_params is not None
+    for a, b in zip(jax.tree.leaves(tr.ref_params), jax.tree.leaves(tr.params)): np.testing.assert_array_equal(a, b)
+    info = tr.update(tr.rollout())
+    assert "kl" in info and np.isfinite(info["kl"])
+    # the reference stays frozen while the policy moves
+    moved = any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(tr.ref_params), jax.tree.leaves(tr.params)))
+    assert moved
+
+
+def test_pi_old_is_the_policy_that_generated_the_rollouts(tmp_path):
+    # mu = 2 passes over one mini-batch: the policy moves after the first pass
+    cfg = rl_cfg(tmp_path, "num_iterations=2", "learning_rate=3e-3", "advantage_scale=none")
+    tr = RLTrainer(cfg, reward_fns=[(length_reward, 1.0, "length")])
+    init = jax.tree.map(jnp.copy, tr.params)
+    for step in range(2):
+        before = jax.tree.map(jnp.copy, tr.params)          # the policy that generates this step's rollouts
+        ro = tr.rollout()
+        tr.update(ro)
+        b = tr.last_batch
+        m = b["completion_mask"] > 0
+        old = b["old_per_token_logps"]
+        # pi_old equals the generating policy: its teacher-forced log-probs, and the sampler's own
+        gen = np.asarray(tr.logps_fn(before, tr.rest, b))
+        np.testing.assert_allclose(old[m], gen[m], atol=1e-5)
+        np.testing.assert_allclose(old[m], ro["sampler_logps"][m], atol=1e-3)
+        # first pass is on-policy (ratio 1), second pass is not: the live policy has moved away from pi_old
+        first, second = tr.last_update_metrics
+        assert abs(first["ratio_mean"] - 1) < 1e-5 and first["ratio_max"] - first["ratio_min"] < 1e-4
+        assert second["ratio_max"] - second["ratio_min"] > 1e-4
+        live = np.asarray(tr.logps_fn(tr.params, tr.rest, b))
+        assert np.abs(live[m] - old[m]).max() > 1e-4
+        if step == 1:   # after the first step pi_old is no longer the initial policy (no stale snapshot)
+            initial = np.asarray(tr.logps_fn(init, tr.rest, b))
+            assert np.abs(initial[m] - old[m]).max() > 1e-4
+
+
+def rl_cmd(base, run, steps, *extra):
+    return [sys.executable, "-m", "maxpost", "rl", f"base_output_directory={base}", f"run_name={run}",
+            f"steps={steps}", *SMALL, *extra]
+
+
+def test_cli_resume_after_kill_matches_uninterrupted(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    steps, extra = 10, ["checkpoint_period=2", "num_iterations=2"]
+    r = subprocess.run(rl_cmd(tmp_path, "whole", steps, *extra), env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    p = subprocess.Popen(rl_cmd(tmp_path, "killed", steps, *extra), env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    ck = tmp_path / "killed" / "checkpoints"
+    deadline = time.time() + 600
+    while time.time() < deadline and not (ck / "4").exists() and p.poll() is None: time.sleep(0.01)
+    p.send_signal(signal.SIGKILL); p.wait()
+    done = sorted(int(d.name) for d in ck.iterdir() if d.name.isdigit())
+    assert done and max(done) < steps, f"the run finished before it could be killed: {done}"
+    r = subprocess.run(rl_cmd(tmp_path, "killed", steps, *extra), env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    like = nnx.state(create_model(get_model_config("tiny")), nnx.Param)
+    a = restore_state(checkpoint_manager(tmp_path / "whole" / "checkpoints"), like)[0]
+    b = restore_state(checkpoint_manager(tmp_path / "killed" / "checkpoints"), like)[0]
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)): np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    rec = read_metrics(tmp_path / "whole", "train")
+    assert [r["step"] for r in rec] == list(range(1, steps + 1))
+    for k in ("reward", "clip_frac", "entropy", "completion_length", "truncation_rate", "rollout_tokens_per_s",
+              "time_rollout", "time_update", "advantage_std", "accuracy", "format_rate"):
+        assert k in rec[-1], k
+
+
+def test_papermill_rl_run(tmp_path):
+    pm = pytest.importorskip("papermill")
+    out = tmp_path / "rl-out.ipynb"
+    pm.execute_notebook(str(ROOT / "nbs" / "runs" / "rl.ipynb"), str(out), cwd=str(tmp_path), kernel_name="python3",
+                        parameters=dict(base_output_directory=str(tmp_path / "runs"), run_name="pm", steps=2,
+                                        load_parameters_path="", max_completion_length=12, eval_num_prompts=4),
+                        progress_bar=False)
+    recs = read_metrics(tmp_path / "runs" / "pm", "train")
+    assert recs[-1]["step"] == 2

@@ -1,0 +1,195 @@
+"""SFT end to end: gradient accumulation, packing, resume after a kill, bad columns, non-finite loss, the CLI,
+a Hugging Face starting checkpoint, and the papermill run."""
+import json, os, signal, subprocess, sys, time
+from pathlib import Path
+
+import jax, jax.numpy as jnp, numpy as np, optax, pytest
+from flax import nnx
+
+from maxpost.config import load_config, run_dir, ConfigError
+from maxpost.model import get_model_config, create_model
+from maxpost.sft import make_sft_step, train_sft
+from maxpost.sft_loss import sft_loss
+from maxpost.train import make_optimizer, read_metrics
+from maxpost.checkpoint import checkpoint_manager, restore_state
+from maxpost import sharding
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["model_name=tiny", "train_split=train[:256]", "eval_split=test[:16]", "global_batch_size=8", "max_target_length=96", "log_period=1", "eval_batches=1",
+         "warmup_steps=2", "learning_rate=3e-3"]
+
+
+def tiny_model(vocab=64):
+    return create_model(get_model_config("tiny", num_layers=1, d_model=64, mlp_dim=128, vocab_size=vocab,
+                                         num_heads=2, num_kv_heads=1), seed=0)
+
+
+def random_batch(rng, b=8, t=24, vocab=64):
+    seg = np.ones((b, t), np.int32)
+    pos = np.tile(np.arange(t), (b, 1))
+    for r in range(b):  # pack 1-3 segments per row, the tail padding
+        cuts = sorted(rng.choice(np.arange(4, t - 2), size=rng.integers(0, 3), replace=False))
+        edges = [0, *cuts, t - rng.integers(0, 4)]
+        seg[r] = 0
+        for s, (a, z) in enumerate(zip(edges[:-1], edges[1:]), start=1):
+            seg[r, a:z], pos[r, a:z] = s, np.arange(z - a)
+    return {"tokens": rng.integers(1, vocab, (b, t)).astype(np.int32), "segment_ids": seg, "positions": pos,
+            "loss_mask": (rng.random((b, t)) < 0.5).astype(np.int32)}
+
+
+@pytest.mark.parametrize("accum", [2, 4, 8])
+def test_gradient_accumulation_equals_one_big_batch(accum):
+    model = tiny_model()
+    gd, p0, rest = nnx.split(model, nnx.Param, ...)
+    batch = random_batch(np.random.default_rng(accum))
+    tx = optax.sgd(1.0)  # parameters move by exactly the gradient
+    # reference: the gradient of the token-mean loss of the whole batch, by plain autodiff
+    def big_loss(p):
+        logits = nnx.merge(gd, p, rest)(batch["tokens"], batch["positions"], batch["segment_ids"])
+        return sft_loss(logits, batch)[0]
+    ref_grads = jax.grad(big_loss)(p0)
+    ref_params = jax.tree.map(lambda p, u: p + u, p0, tx.update(ref_grads, tx.init(p0), p0)[0])
+    step = make_sft_step(gd, tx, accum=accum)
+    p = jax.tree.map(jnp.copy, p0)
+    p, _, metrics = step(p, rest, tx.init(p), batch)
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(metrics["loss"], big_loss(p0), rtol=1e-5)
+
+
+def test_packed_equals_unpacked_loss():
+    model = tiny_model()
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(1, 64, n) for n in (7, 5, 9)]
+    masks = [(rng.random(len(s)) < 0.6).astype(np.int32) for s in seqs]
+    L = 24
+    packed = {k: np.zeros((1, L), np.int32) for k in ("tokens", "segment_ids", "positions", "loss_mask")}
+    at = 0
+    for i, (s, m) in enumerate(zip(seqs, masks), start=1):
+        n = len(s)
+        packed["tokens"][0, at:at + n], packed["loss_mask"][0, at:at + n] = s, m
+        packed["segment_ids"][0, at:at + n], packed["positions"][0, at:at + n] = i, np.arange(n)
+        at += n
+    logits = model(packed["tokens"], packed["positions"], packed["segment_ids"])
+    loss_packed, m_packed = sft_loss(logits, packed)
+    nll, count = 0.0, 0.0
+    for s, m in zip(seqs, masks):
+        one = {"tokens": s[None], "segment_ids": np.ones((1, len(s)), np.int32), "positions": np.arange(len(s))[None],
+               "loss_mask": m[None]}
+        _, mm = sft_loss(model(one["tokens"]), one)
+        nll, count = nll + float(mm["nll_sum"]), count + float(mm["num_loss_tokens"])
+    assert float(m_packed["num_loss_tokens"]) == count
+    np.testing.assert_allclose(float(loss_packed), nll / count, rtol=1e-5)
+
+
+def sft_cmd(base, run, steps, *extra):
+    return [sys.executable, "-m", "maxpost", "sft", f"base_output_directory={base}", f"run_name={run}",
+            f"steps={steps}", *SMALL, *extra]
+
+
+def final_params(base, run, like):
+    mgr = checkpoint_manager(Path(base) / run / "checkpoints")
+    return restore_state(mgr, like)[0], mgr.latest_step()
+
+
+def test_cli_run_then_resume_after_kill_matches_uninterrupted(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    steps, extra = 24, ["checkpoint_period=4", "max_checkpoints_to_keep=3"]
+    r = subprocess.run(sft_cmd(tmp_path, "whole", steps, *extra), env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "eval_loss=" in r.stdout
+    # the same run, killed (SIGKILL, no chance to save) once its second checkpoint exists, then resumed
+    p = subprocess.Popen(sft_cmd(tmp_path, "killed", steps, *extra), env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    ck = tmp_path / "killed" / "checkpoints"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (ck / "8").exists() and p.poll() is None: time.sleep(0.01)
+    p.send_signal(signal.SIGKILL); p.wait()
+    done = sorted(int(d.name) for d in ck.iterdir() if d.name.isdigit())
+    assert done and max(done) < steps, f"the run finished before it could be killed: {done}"
+    r = subprocess.run(sft_cmd(tmp_path, "killed", steps, *extra), env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    like = nnx.state(create_model(get_model_config("tiny")), nnx.Param)
+    a, sa = final_params(tmp_path, "whole", like)
+    b, sb = final_params(tmp_path, "killed", like)
+    assert sa == sb == steps
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)): np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    losses = [r["loss"] for r in read_metrics(tmp_path / "whole", "train")]
+    assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.5
+
+
+def test_sigterm_saves_a_checkpoint(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    p = subprocess.Popen(sft_cmd(tmp_path, "term", 100000, "checkpoint_period=100000"), env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "term" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3): time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    err = p.communicate(timeout=120)[1]
+    assert p.returncode == 0, err[-3000:]
+    steps = [int(d.name) for d in (tmp_path / "term" / "checkpoints").iterdir() if d.name.isdigit()]
+    assert len(steps) == 1 and 3 <= steps[0] < 100000 and "resume" in err
+
+
+def test_bad_column_is_a_clear_error(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"instruction": "hi", "output": "yo"}) for _ in range(4)))
+    cfg = load_config("sft", [f"base_output_directory={tmp_path}", "run_name=bad", f"dataset_name={data}",
+                              f"tokenizer_path={prepare_tokenizer(tmp_path)}", "steps=2", *SMALL])
+    with pytest.raises(ValueError) as e: train_sft(cfg, progress=False)
+    assert "instruction" in str(e.value) and "output" in str(e.value)
+
+
+def prepare_tokenizer(tmp_path):
+    from maxpost.tasks import build_tokenizer
+    d = tmp_path / "tok"
+    build_tokenizer(d)
+    return d
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    base = [f"base_output_directory={tmp_path}", "run_name=nan", "checkpoint_period=2", *SMALL]
+    cfg = load_config("sft", base + ["steps=4"])
+    train_sft(cfg, progress=False)
+    like = nnx.state(create_model(get_model_config("tiny")), nnx.Param)
+    good, step = final_params(tmp_path, "nan", like)
+    # resume the same run with a learning rate that blows the weights up
+    cfg = load_config("sft", base + ["steps=40", "learning_rate=1e30", "max_grad_norm=1e30", "warmup_steps=0"])
+    with pytest.raises(FloatingPointError, match="non-finite (loss|weights).*last good"):
+        train_sft(cfg, progress=False)
+    after, step2 = final_params(tmp_path, "nan", like)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(after))
+    assert step2 >= step
+
+
+def test_start_from_a_hugging_face_checkpoint(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    tok_dir = prepare_tokenizer(tmp_path)
+    hf_cfg = transformers.Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                      tie_word_embeddings=True, max_position_embeddings=512)
+    torch.manual_seed(0)
+    hf_dir = tmp_path / "hf"
+    transformers.Qwen3ForCausalLM(hf_cfg).save_pretrained(hf_dir)
+    for f in Path(tok_dir).iterdir(): (hf_dir / f.name).write_bytes(f.read_bytes())
+    cfg = load_config("sft", [f"base_output_directory={tmp_path}", "run_name=fromhf", f"load_parameters_path={hf_dir}",
+                              "steps=6", "save_hf=true", *SMALL])
+    out = train_sft(cfg, progress=False)
+    assert out["step"] == 6
+    # the run saved its model config (from the HF config) and a Hugging Face export that transformers loads
+    mc = json.loads((run_dir(cfg) / "model_config.json").read_text())
+    assert (mc["d_model"], mc["num_layers"], mc["head_dim"]) == (64, 2, 32)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(run_dir(cfg) / "hf")
+    assert sum(p.numel() for p in reloaded.parameters()) == sum(p.numel() for p in transformers.Qwen3ForCausalLM(hf_cfg).parameters())
+
+
+def test_papermill_sft_run(tmp_path):
+    pm = pytest.importorskip("papermill")
+    out = tmp_path / "sft-out.ipynb"
+    pm.execute_notebook(str(ROOT / "nbs" / "runs" / "sft.ipynb"), str(out), cwd=str(tmp_path), kernel_name="python3",
+                        parameters=dict(base_output_directory=str(tmp_path / "runs"), run_name="pm", steps=12,
+                                        log_period=3), progress_bar=False)
+    recs = read_metrics(tmp_path / "runs" / "pm", "train")
+    assert recs[-1]["step"] == 12 and recs[-1]["loss"] < recs[0]["loss"]
