@@ -36,8 +36,7 @@ def run_maxpost(a, prompts) -> dict:
     from maxpost.model import get_model_config, create_model
     from maxpost.sampling import generate
     from maxpost.advantages import group_advantages
-    try: from maxpost.rl import make_rl_step, make_logps_fn
-    except ImportError: make_rl_step, make_logps_fn = _rl_step_fallback()
+    from maxpost.rl import make_rl_step, make_logps_fn
     cfg = get_model_config("tiny", **common.SHAPES[a.shape])
     model = create_model(cfg, seed=0)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -73,31 +72,6 @@ def run_maxpost(a, prompts) -> dict:
     timed_phases = phases[-a.reps:]
     return {"times": times, "first_step_s": first, "loss": loss,
             "phases": {k: common.median([p[k] for p in timed_phases]) for k in timed_phases[0]}}
-
-
-def _rl_step_fallback():
-    "The RL notebook's make_rl_step / make_logps_fn, for checkouts that do not export maxpost.rl yet."
-    import jax, optax
-    from flax import nnx
-    from maxpost.sampling import completion_logps
-    from maxpost.policy_loss import policy_loss
-    def make_logps_fn(graphdef, temperature):
-        def logps(params, rest, b):
-            return completion_logps(nnx.merge(graphdef, params, rest), b["prompt_ids"], b["prompt_mask"],
-                                    b["completion_ids"], b["completion_mask"], temperature)
-        return jax.jit(logps)
-    def make_rl_step(graphdef, tx, loss_kwargs, temperature):
-        def loss_fn(params, rest, b):
-            logps = completion_logps(nnx.merge(graphdef, params, rest), b["prompt_ids"], b["prompt_mask"],
-                                     b["completion_ids"], b["completion_mask"], temperature)
-            return policy_loss(logps, b.get("old_per_token_logps"), b.get("ref_per_token_logps"), b["advantages"],
-                               b["completion_mask"], **loss_kwargs)
-        def step(params, rest, opt_state, b):
-            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, b)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, {**metrics, "loss": loss}
-        return jax.jit(step, donate_argnums=(0, 2))
-    return make_rl_step, make_logps_fn
 
 
 def run_trl(a, prompts) -> dict:

@@ -261,10 +261,8 @@ def run_evaluation(cfg: RunConfig, *, progress: bool = False) -> dict:
 
 def main(argv=None) -> int:
     "`maxpost eval [base.yml] key=value ...`"
-    argv = list(sys.argv[1:] if argv is None else argv)
-    base = argv.pop(0) if argv and argv[0].endswith((".yml", ".yaml")) else "default"
-    cfg = load_config("rl", argv, base=base)
-    res = run_evaluation(cfg)
+    from maxpost.train import run_command
+    cfg, res = run_command("rl", run_evaluation, argv)
     print(format_table({_label(cfg.load_parameters_path): res}))
     print(f"eval record: {run_dir(cfg) / 'eval.json'}")
     return 0

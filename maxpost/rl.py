@@ -18,7 +18,7 @@ from .rewards import as_reward_specs, compute_rewards
 from .sampling import generate, completion_logps
 from .data import load_tokenizer
 from .evaluate import load_eval_examples, prompt_token_ids, stop_token_ids, evaluate
-from .train import (embedded_task_dir, make_run_mesh, load_policy, tokenizer_dir, make_optimizer, make_schedule, init_opt_state, all_finite, check_finite, RunCheckpoints,
+from .train import (embedded_task_dir, make_run_mesh, load_policy, tokenizer_dir, make_optimizer, make_schedule, init_opt_state, run_command, print_summary, all_finite, check_finite, RunCheckpoints,
                            StopSignal, MetricsLogger)
 
 # %% auto 0
@@ -246,10 +246,6 @@ def train_rl(cfg: RLConfig, *, progress: bool = True, reward_fns=None) -> dict:
 # %% ../nbs/11_rl.ipynb
 def main(argv=None) -> int:
     "`maxpost rl [base.yml] key=value ...`"
-    argv = list(sys.argv[1:] if argv is None else argv)
-    base = argv.pop(0) if argv and argv[0].endswith((".yml", ".yaml")) else "default"
-    cfg = load_config("rl", argv, base=base)
-    out = train_rl(cfg)
-    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in out.items()))
-    print(f"run directory: {run_dir(cfg)}")
+    cfg, out = run_command("rl", train_rl, argv)
+    print_summary(out, cfg)
     return 0

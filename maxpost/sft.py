@@ -14,7 +14,7 @@ from .config import SFTConfig, ConfigError, load_config, run_dir
 from . import sharding, tasks
 from .data import load_tokenizer, make_sft_iterator
 from .sft_loss import sft_loss, target_weights, summarize_metrics
-from .train import (embedded_task_dir, make_run_mesh, load_policy, tokenizer_dir, make_optimizer, make_schedule, init_opt_state, all_finite, check_finite, RunCheckpoints, StopSignal,
+from .train import (embedded_task_dir, make_run_mesh, load_policy, tokenizer_dir, make_optimizer, make_schedule, init_opt_state, run_command, print_summary, all_finite, check_finite, RunCheckpoints, StopSignal,
                            MetricsLogger, flops_per_token, device_peak_flops)
 
 # %% auto 0
@@ -170,10 +170,6 @@ def train_sft(cfg: SFTConfig, *, progress: bool = True) -> dict:
 # %% ../nbs/06b_sft.ipynb
 def main(argv=None) -> int:
     "`maxpost sft [base.yml] key=value ...`"
-    argv = list(sys.argv[1:] if argv is None else argv)
-    base = argv.pop(0) if argv and argv[0].endswith((".yml", ".yaml")) else "default"
-    cfg = load_config("sft", argv, base=base)
-    out = train_sft(cfg)
-    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in out.items()))
-    print(f"run directory: {run_dir(cfg)}")
+    cfg, out = run_command("sft", train_sft, argv)
+    print_summary(out, cfg)
     return 0

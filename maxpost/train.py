@@ -4,14 +4,14 @@
 
 # %% ../nbs/06a_train.ipynb 4
 from __future__ import annotations
-import dataclasses, json, math, os, shutil, signal, time
+import dataclasses, json, math, os, shutil, signal, sys, time
 from pathlib import Path
 from typing import Any
 
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
 
-from .config import RunConfig, ConfigError, run_dir, to_yaml
+from .config import RunConfig, ConfigError, load_config, run_dir, to_yaml
 from . import sharding, model as mm
 from .checkpoint import checkpoint_manager, save_state, restore_state
 
@@ -19,7 +19,7 @@ from .checkpoint import checkpoint_manager, save_state, restore_state
 __all__ = ['PEAK_BF16_FLOPS', 'make_run_mesh', 'is_hf_dir', 'find_run_checkpoint', 'read_model_config', 'load_policy',
            'embedded_task_dir', 'tokenizer_dir', 'make_schedule', 'make_optimizer', 'on_mesh', 'init_opt_state',
            'all_finite', 'check_finite', 'RunCheckpoints', 'StopSignal', 'MetricsLogger', 'read_metrics',
-           'flops_per_token', 'device_peak_flops']
+           'flops_per_token', 'device_peak_flops', 'split_base', 'run_command', 'print_summary']
 
 # %% ../nbs/06a_train.ipynb
 def make_run_mesh(cfg: RunConfig) -> jax.sharding.Mesh:
@@ -237,3 +237,20 @@ def device_peak_flops() -> float | None:
     for name, peak in PEAK_BF16_FLOPS.items():
         if kind.startswith(name): return peak * jax.device_count()
     return None
+
+# %% ../nbs/06a_train.ipynb
+def split_base(argv) -> tuple[str | Path, list[str]]:
+    "`(base, overrides)`: a leading `*.yml` / `*.yaml` argument is the YAML base, else the command's default."
+    argv = list(argv)
+    return (argv.pop(0) if argv and argv[0].endswith((".yml", ".yaml")) else "default"), argv
+
+def run_command(kind: str, run, argv=None) -> tuple[RunConfig, Any]:
+    "Load the `kind` config from `argv` (default: sys.argv) and call `run(cfg)`; returns both."
+    base, overrides = split_base(sys.argv[1:] if argv is None else argv)
+    cfg = load_config(kind, overrides, base=base)
+    return cfg, run(cfg)
+
+def print_summary(out: dict, cfg: RunConfig) -> None:
+    "One line of final metrics and where the run wrote."
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in out.items() if k != "kind"))
+    print(f"run directory: {run_dir(cfg)}")
