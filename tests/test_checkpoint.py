@@ -7,8 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch, transformers  # dev extra
 
 from safetensors.numpy import save_file
 from maxpost.checkpoint import (load_hf, save_hf, hf_config_to_model_config, model_config_to_hf_config,

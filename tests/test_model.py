@@ -196,7 +196,7 @@ def test_tiny_preset_matches_contract():
 
 def test_rope_frequencies_match_transformers():
     """llama3 and linear scaled inverse frequencies equal transformers' rope init functions."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     cfg = transformers.LlamaConfig(hidden_size=2048, num_attention_heads=32, head_dim=64, rope_parameters=dict(
         rope_type="llama3", rope_theta=500_000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -226,10 +226,8 @@ def test_attention_mask_naive():
 
 def test_tunix_qwen3_through_adapter(tmp_path):
     """A tiny HF Qwen3 loaded by Tunix's own loader, wrapped in TunixPolicy, gives maxpost's logits (incl. packing)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    tq = pytest.importorskip("tunix.models.qwen3.model")
-    tparams = pytest.importorskip("tunix.models.qwen3.params")
+    import torch, transformers
+    import tunix.models.qwen3.model as tq, tunix.models.qwen3.params as tparams
     from maxpost.checkpoint import load_hf
     from maxpost.model import TunixPolicy
     hf_cfg = transformers.Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

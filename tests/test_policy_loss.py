@@ -13,7 +13,7 @@ import pytest
 from maxpost.policy_loss import (KL_ESTIMATORS, LOSS_AGG_MODES, LOSS_ALGOS, aggregate_loss, estimate_kl,
                                  importance_ratio, policy_loss)
 
-algo_core = pytest.importorskip("tunix.rl.algo_core")
+import tunix.rl.algo_core as algo_core  # the dev extra installs Tunix: a missing Tunix fails, never skips
 from tunix.rl import common as tunix_common  # noqa: E402
 from flax import nnx  # noqa: E402
 

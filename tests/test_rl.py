@@ -111,7 +111,7 @@ def test_cli_resume_after_kill_matches_uninterrupted(tmp_path):
 
 
 def test_papermill_rl_run(tmp_path):
-    pm = pytest.importorskip("papermill")
+    import papermill as pm
     out = tmp_path / "rl-out.ipynb"
     pm.execute_notebook(str(ROOT / "nbs" / "runs" / "rl.ipynb"), str(out), cwd=str(tmp_path), kernel_name="python3",
                         parameters=dict(base_output_directory=str(tmp_path / "runs"), run_name="pm", steps=2,

@@ -164,8 +164,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
 
 
 def test_start_from_a_hugging_face_checkpoint(tmp_path):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch, transformers
     tok_dir = prepare_tokenizer(tmp_path)
     hf_cfg = transformers.Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, head_dim=32,
@@ -186,7 +185,7 @@ def test_start_from_a_hugging_face_checkpoint(tmp_path):
 
 
 def test_papermill_sft_run(tmp_path):
-    pm = pytest.importorskip("papermill")
+    import papermill as pm
     out = tmp_path / "sft-out.ipynb"
     pm.execute_notebook(str(ROOT / "nbs" / "runs" / "sft.ipynb"), str(out), cwd=str(tmp_path), kernel_name="python3",
                         parameters=dict(base_output_directory=str(tmp_path / "runs"), run_name="pm", steps=12,

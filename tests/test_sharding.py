@@ -216,9 +216,7 @@ def test_mlp_sharded_equals_single_device(kw, build, mlp_reference):
         np.testing.assert_allclose(np.asarray(grads[k][...]), g, rtol=1e-4, atol=1e-6)
 
 
-# ---- the real decoder, when maxpost.model exists ---------------------------------------------------------------
-
-HAVE_MODEL = importlib.util.find_spec("maxpost.model") is not None
+# ---- the real decoder ------------------------------------------------------------------------------------------
 
 
 def _decoder_loss(model, tokens):
@@ -244,7 +242,6 @@ def decoder_reference():
     return cfg, tokens, float(loss), {p: np.asarray(g) for p, g in jax.tree_util.tree_leaves_with_path(grads)}
 
 
-@pytest.mark.skipif(not HAVE_MODEL, reason="maxpost.model not written yet")
 @pytest.mark.parametrize("kw", [dict(data=8, fsdp=1), dict(fsdp=8), dict(data=2, fsdp=2, tensor=2),
                                 dict(data=1, fsdp=2, tensor=4)], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
 def test_decoder_sharded_equals_single_device(kw, decoder_reference):
