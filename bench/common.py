@@ -43,11 +43,20 @@ def param_count(shape: str) -> int:
 
 
 def train_flops_per_token(shape: str, seq_len: int) -> float:
-    "6 N (matmul parameters, tied embedding counted once as the LM head) + 12 L (n h) T attention, as maxpost.train."
-    s = SHAPES[shape]
-    d, L, a, kv = s["d_model"], s["num_layers"], s["num_heads"] * s["head_dim"], s["num_kv_heads"] * s["head_dim"]
-    n = L * (d * (a + 2 * kv) + a * d + 3 * d * s["mlp_dim"]) + d * s["vocab_size"]
-    return 6 * n + 12 * L * a * seq_len
+    "Training FLOPs per token of a bench shape, by the same formula as the trainers' MFU (maxpost.train)."
+    from maxpost.model import get_model_config
+    from maxpost.train import flops_per_token
+    return flops_per_token(get_model_config("tiny", **SHAPES[shape]), seq_len)
+
+
+def step_clock():
+    "A transformers TrainerCallback recording the wall time of every optimizer step in `.times` (TRL peers)."
+    from transformers import TrainerCallback
+    class StepClock(TrainerCallback):
+        def __init__(self): self.t, self.times = None, []
+        def on_step_begin(self, args, state, control, **kw): self.t = time.perf_counter()
+        def on_step_end(self, args, state, control, **kw): self.times.append(time.perf_counter() - self.t)
+    return StepClock()
 
 
 def prompt_ids(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -76,7 +76,6 @@ def run_maxpost(a, prompts) -> dict:
 
 def run_trl(a, prompts) -> dict:
     import tempfile, torch, datasets
-    from transformers import TrainerCallback
     from trl import GRPOTrainer, GRPOConfig
     from rollout import vllm_model_dir
     torch.set_num_threads(common.THREADS); torch.manual_seed(0)
@@ -86,11 +85,7 @@ def run_trl(a, prompts) -> dict:
     steps = a.warmup + a.reps
     ds = datasets.Dataset.from_dict({"prompt": [common.ids_to_text(p) for p in prompts] * steps})
 
-    class Clock(TrainerCallback):
-        def __init__(self): self.t, self.times = None, []
-        def on_step_begin(self, args, state, control, **kw): self.t = time.perf_counter()
-        def on_step_end(self, args, state, control, **kw): self.times.append(time.perf_counter() - self.t)
-    clock = Clock()
+    clock = common.step_clock()
     with tempfile.TemporaryDirectory() as out:
         cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=len(prompts) * a.G, num_generations=a.G,
                          max_completion_length=a.new, temperature=1.0, top_p=1.0, top_k=0, beta=BETA,

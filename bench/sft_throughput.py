@@ -72,7 +72,7 @@ def run_tunix(a) -> dict:
 
 def run_trl(a) -> dict:
     import tempfile, torch, numpy as np, datasets, transformers
-    from transformers import Qwen3Config, Qwen3ForCausalLM, TrainerCallback
+    from transformers import Qwen3Config, Qwen3ForCausalLM
     from trl import SFTTrainer, SFTConfig
     torch.set_num_threads(common.THREADS); torch.manual_seed(0)
     s = common.SHAPES[a.shape]
@@ -88,11 +88,7 @@ def run_trl(a) -> dict:
     b = common.sft_batch(a.batch * steps, a.seq, s["vocab_size"])
     ds = datasets.Dataset.from_dict({"input_ids": b["tokens"].tolist()})
 
-    class Clock(TrainerCallback):
-        def __init__(self): self.t, self.times = None, []
-        def on_step_begin(self, args, state, control, **kw): self.t = time.perf_counter()
-        def on_step_end(self, args, state, control, **kw): self.times.append(time.perf_counter() - self.t)
-    clock = Clock()
+    clock = common.step_clock()
     with tempfile.TemporaryDirectory() as out:
         targs = SFTConfig(output_dir=out, per_device_train_batch_size=a.batch, max_steps=steps, learning_rate=LR,
                           weight_decay=0.0, max_grad_norm=CLIP, lr_scheduler_type="constant", warmup_steps=0,
