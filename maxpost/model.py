@@ -73,8 +73,8 @@ _GEMMA3 = dict(family="gemma3", norm_eps=1e-6, rope_theta=1_000_000.0, local_rop
                norm_plus_one=True, post_norms=True, tie_embeddings=True, head_dim=256)
 
 PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(family="qwen3", vocab_size=512, d_model=256, num_layers=4, num_heads=4, num_kv_heads=2,
-                        head_dim=64, mlp_dim=768, tie_embeddings=True, rope_theta=10_000.0, qk_norm=True),
+    "tiny": ModelConfig(family="qwen3", vocab_size=512, d_model=128, num_layers=4, num_heads=2, num_kv_heads=1,
+                        head_dim=64, mlp_dim=512, tie_embeddings=True, rope_theta=10_000.0, qk_norm=True),
     "llama3.1-8b": ModelConfig(**_LLAMA, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                                mlp_dim=14_336, tie_embeddings=False),
     "llama3.2-1b": ModelConfig(**{**_LLAMA, "rope_factor": 32.0}, d_model=2048, num_layers=16, num_heads=32,

@@ -191,7 +191,7 @@ def test_preset_param_counts(name):
 def test_tiny_preset_matches_contract():
     cfg = get_model_config("tiny")
     assert (cfg.family, cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.mlp_dim, cfg.tie_embeddings, cfg.rope_theta) == ("qwen3", 512, 256, 4, 4, 2, 64, 768, True, 10_000.0)
+            cfg.mlp_dim, cfg.tie_embeddings, cfg.rope_theta) == ("qwen3", 512, 128, 4, 2, 1, 64, 512, True, 10_000.0)
 
 
 def test_rope_frequencies_match_transformers():

@@ -13,7 +13,7 @@ from maxpost.checkpoint import checkpoint_manager, restore_state
 from maxpost.model import create_model, get_model_config
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = ["load_parameters_path=", "model_name=tiny", "global_batch_size=8", "num_generations=4",
+SMALL = ["load_parameters_path=", "model_name=tiny", "global_batch_size=8", "num_generations=4", "mini_batch_size=0",
          "max_prompt_length=96", "max_completion_length=12", "eval_interval=0", "eval_num_prompts=4", "eval_k=2",
          "train_split=train[:64]", "learning_rate=1e-3", "log_period=1", "temperature=1.0"]
 

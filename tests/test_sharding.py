@@ -235,7 +235,7 @@ def _decoder_step(model, tokens, mesh=None):
 @pytest.fixture(scope="module")
 def decoder_reference():
     from maxpost.model import create_model, get_model_config
-    cfg = get_model_config("tiny", num_layers=2)
+    cfg = get_model_config("tiny", num_layers=2, d_model=256, num_heads=4, num_kv_heads=2)
     tokens = np.random.default_rng(0).integers(1, cfg.vocab_size, size=(8, 8)).astype(np.int32)
     with jax.default_device(jax.devices()[0]):
         loss, grads = _decoder_step(create_model(cfg, seed=0), jnp.asarray(tokens))

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from maxpost.tasks import (Difficulty, SYSTEM_PROMPT, TAGS, build_tokenizer, format_completion, generate_problems,
+from maxpost.tasks import (Difficulty, SHORTCUT_SHARE, SYSTEM_PROMPT, TAGS, build_tokenizer, format_completion, generate_problems,
                            make_splits, prepare_embedded, prompt_messages, sft_messages, write_embedded_task)
 
 _EQ = re.compile(r"(-?\d+) ([-+*]) (\d+) = (-?\d+)")
@@ -34,10 +34,11 @@ def splits(): return make_splits(seed=0, n_train=3000, n_test=500)
 def tok(tmp_path_factory):
     d = tmp_path_factory.mktemp("tok"); return build_tokenizer(d), d
 
-def test_default_knobs_match_the_prototype():
+def test_default_knobs():
+    """The embedded default chosen by the RL study of the tutorial: two steps on small numbers."""
     d = Difficulty()
     assert (d.min_steps, d.max_steps, d.max_operand, d.min_multiplier, d.max_multiplier, d.max_value, d.operations) == \
-        (1, 3, 20, 2, 5, 99, ("+", "-", "*"))
+        (2, 2, 10, 2, 3, 50, ("+", "-", "*"))
 
 def test_deterministic_across_processes(splits):
     code = ("import json; from maxpost.tasks import make_splits; "
@@ -59,7 +60,7 @@ def test_splits_disjoint_and_distinct(seed):
 def test_answers_are_the_arithmetic(splits):
     for p in splits[0] + splits[1]:
         steps, final = redo(p)
-        assert 1 <= len(steps) <= 3 and all(0 <= y <= 99 for *_, y in steps)
+        assert len(steps) == 2 and all(0 <= y <= 50 for *_, y in steps)
 
 @pytest.mark.parametrize("knobs", [
     dict(min_steps=1, max_steps=1, operations=("+",)),
@@ -87,7 +88,7 @@ def test_bad_knobs():
     with pytest.raises(ValueError): Difficulty(operations=("/",))
     with pytest.raises(ValueError): Difficulty(min_multiplier=1)
     with pytest.raises(ValueError, match="distinct"):
-        generate_problems(1000, difficulty=Difficulty(max_steps=1, max_operand=1, operations=("*",)))
+        generate_problems(1000, difficulty=Difficulty(min_steps=1, max_steps=1, max_operand=1, operations=("*",)))
 
 def test_prompt_and_completion(splits):
     p = splits[1][0]
@@ -98,6 +99,8 @@ def test_prompt_and_completion(splits):
     assert m and m[1] == p["answer"].split("\n####")[0] and m[2] == p["answer"].split("#### ")[1]
     assert all(t in SYSTEM_PROMPT for t in TAGS)
     assert sft_messages(p, system_prompt=None)[0]["role"] == "user"
+    short = sft_messages(p, shortcut=True)                 # an answer-only demonstration: same prompt, empty reasoning
+    assert short[:2] == msgs[:2] and short[2]["content"] == f"<reasoning></reasoning><answer>{m[2]}</answer>"
 
 def test_files_load_with_datasets(tmp_path):
     import datasets
@@ -108,7 +111,18 @@ def test_files_load_with_datasets(tmp_path):
     assert ds["train"].to_list() == train and ds["test"].to_list() == test
     sft = datasets.load_dataset("json", data_files={"train": paths["sft_train"], "test": paths["sft_test"]}, cache_dir=str(tmp_path / "c"))
     assert sft["test"].column_names == ["messages"]
-    assert [r["messages"] for r in sft["test"]] == [sft_messages(p) for p in test]
+    n_short = 0
+    for split, rows in (("train", train), ("test", test)):
+        for got, p in zip((r["messages"] for r in sft[split]), rows, strict=True):
+            short = got == sft_messages(p, shortcut=True)
+            assert short or got == sft_messages(p)          # a worked demonstration or an answer-only one
+            n_short += short
+    assert abs(n_short / 340 - SHORTCUT_SHARE) < 0.1        # binomial sd at n=340, p=0.6: 0.027
+    for share, want in ((0.0, False), (1.0, True)):
+        d = write_embedded_task(tmp_path / f"s{share}", seed=4, n_train=30, n_test=5, shortcut_share=share)
+        rows = [json.loads(l)["messages"][-1]["content"] for l in open(d["sft_train"])]
+        assert all(r.startswith("<reasoning></reasoning>") == want for r in rows)
+    with pytest.raises(ValueError, match="shortcut_share"): write_embedded_task(tmp_path / "bad", shortcut_share=1.5)
 
 def test_tokenizer_round_trip_and_size(tok, splits):
     tokenizer, _ = tok
@@ -161,8 +175,8 @@ def test_prepare_embedded_is_idempotent(tmp_path):
     assert prepare_embedded(tmp_path, n_train=200, n_test=30) == paths
     assert stamps == {**{k: os.stat(v).st_mtime_ns for k, v in paths.items() if k != "tokenizer"},
                       "tok": os.stat(tmp_path / "tokenizer.json").st_mtime_ns}
-    prepare_embedded(tmp_path, n_train=200, n_test=30, max_steps=1)         # a different request rewrites
+    prepare_embedded(tmp_path, n_train=200, n_test=30, min_steps=1, max_steps=1)         # a different request rewrites
     assert all(len(redo(json.loads(l))[0]) == 1 for l in open(paths["train"]))
     os.remove(paths["sft_test"])                                              # a missing file is rewritten
-    prepare_embedded(tmp_path, n_train=200, n_test=30, max_steps=1)
+    prepare_embedded(tmp_path, n_train=200, n_test=30, min_steps=1, max_steps=1)
     assert sum(1 for _ in open(paths["sft_test"])) == 30
