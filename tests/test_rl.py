@@ -42,7 +42,7 @@ def test_a_reward_function_that_raises_does_not_stop_the_run(tmp_path):
 
 def test_beta_zero_builds_no_reference_model(tmp_path):
     assert RLTrainer(rl_cfg(tmp_path, "beta=0")).ref_params is None
-    tr = RLTrainer(rl_cfg(tmp_path, "beta=0.1"))
+    tr = RLTrainer(rl_cfg(tmp_path, "beta=0.1"), reward_fns=[(length_reward, 1.0, "length")])  # never all-equal rewards
     assert tr.ref_params is not None
     for a, b in zip(jax.tree.leaves(tr.ref_params), jax.tree.leaves(tr.params)): np.testing.assert_array_equal(a, b)
     info = tr.update(tr.rollout())
