@@ -193,7 +193,8 @@ def _rl_rewards(tmp_path, engine):
            "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     cmd = [sys.executable, "-m", "maxpost", "rl", f"base_output_directory={tmp_path}", f"run_name={engine}",
            "load_parameters_path=", f"rollout_engine={engine}", "steps=12", "global_batch_size=32",
-           "num_generations=4", "max_completion_length=16", "learning_rate=3e-3", "train_split=train[:256]",
+           "num_generations=4", "max_completion_length=16", "learning_rate=1e-2", "beta=0", "mini_batch_size=0",
+           "train_split=train[:256]",
            "reward_functions=[vllm_rl_rewards:digits]", "reward_weights=[1.0]", "eval_num_prompts=4", "eval_k=2",
            "log_period=1", "checkpoint_period=100"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
