@@ -4,8 +4,9 @@ from collections import Counter
 
 import pytest
 
-from maxpost.tasks import (Difficulty, SHORTCUT_SHARE, SYSTEM_PROMPT, TAGS, build_tokenizer, format_completion, generate_problems,
-                           make_splits, prepare_embedded, prompt_messages, sft_messages, write_embedded_task)
+from maxpost.tasks import (Difficulty, HASTY_ERROR_RATE, SHORTCUT_SHARE, SYSTEM_PROMPT, TAGS, build_tokenizer, format_completion, generate_problems,
+                           make_splits, prepare_embedded, prompt_messages, sft_messages, skip_last_step,
+                           write_embedded_task)
 
 _EQ = re.compile(r"(-?\d+) ([-+*]) (\d+) = (-?\d+)")
 
@@ -111,18 +112,37 @@ def test_files_load_with_datasets(tmp_path):
     assert ds["train"].to_list() == train and ds["test"].to_list() == test
     sft = datasets.load_dataset("json", data_files={"train": paths["sft_train"], "test": paths["sft_test"]}, cache_dir=str(tmp_path / "c"))
     assert sft["test"].column_names == ["messages"]
-    n_short = 0
+    kinds = {"worked": 0, "answer-only": 0, "slip": 0}
     for split, rows in (("train", train), ("test", test)):
         for got, p in zip((r["messages"] for r in sft[split]), rows, strict=True):
-            short = got == sft_messages(p, shortcut=True)
-            assert short or got == sft_messages(p)          # a worked demonstration or an answer-only one
-            n_short += short
-    assert abs(n_short / 340 - SHORTCUT_SHARE) < 0.1        # binomial sd at n=340, p=0.6: 0.027
+            options = {"worked": sft_messages(p), "answer-only": sft_messages(p, shortcut=True),
+                       "slip": sft_messages({**p, "answer": skip_last_step(p["answer"])}, shortcut=True)}
+            kind = [k for k, m in options.items() if got == m]
+            assert kind, got                                # a worked, an answer-only or a slipped demonstration
+            kinds[kind[0]] += 1
+    # binomial sd at n=340 is at most 0.027: the shares are the knobs' within 0.1
+    assert abs((kinds["answer-only"] + kinds["slip"]) / 340 - SHORTCUT_SHARE) < 0.1
+    assert abs(kinds["slip"] / 340 - SHORTCUT_SHARE * HASTY_ERROR_RATE) < 0.1
     for share, want in ((0.0, False), (1.0, True)):
         d = write_embedded_task(tmp_path / f"s{share}", seed=4, n_train=30, n_test=5, shortcut_share=share)
         rows = [json.loads(l)["messages"][-1]["content"] for l in open(d["sft_train"])]
         assert all(r.startswith("<reasoning></reasoning>") == want for r in rows)
+    d = write_embedded_task(tmp_path / "noslip", seed=4, n_train=30, n_test=5, shortcut_share=1.0, hasty_error_rate=0.0)
+    sft_rows = [json.loads(l)["messages"] for l in open(d["sft_train"])]
+    train = [json.loads(l) for l in open(d["train"])]
+    assert sft_rows == [sft_messages(p, shortcut=True) for p in train]     # no slips: every answer is right
     with pytest.raises(ValueError, match="shortcut_share"): write_embedded_task(tmp_path / "bad", shortcut_share=1.5)
+    with pytest.raises(ValueError, match="hasty_error_rate"): write_embedded_task(tmp_path / "bad", hasty_error_rate=-0.1)
+
+def test_skip_last_step_is_the_value_before_the_last_step(splits):
+    for p in splits[1][:200]:
+        question = p["question"]
+        numbers = [int(n) for n in re.findall(r"\d+", question)]
+        # two-step problems: start, first operand, second operand; recompute the first step from the question's words
+        x0, b1 = numbers[0], numbers[1]
+        first = question.split(". ")[1]
+        y1 = x0 * b1 if "times as many" in first else x0 + b1 if " more " in first else x0 - b1
+        assert skip_last_step(p["answer"]).rsplit("####", 1)[1].strip() == str(y1), question
 
 def test_tokenizer_round_trip_and_size(tok, splits):
     tokenizer, _ = tok
