@@ -44,14 +44,16 @@ def prompt_positions(mask_bp: jax.Array) -> jax.Array:
 def filter_logits(logits_bv: jax.Array, temperature, top_k, top_p) -> jax.Array:
     "Scale by `temperature` (0 counts as 1), keep the `top_k` (0: all), then the `top_p` nucleus; the rest become -inf."
     x = logits_bv.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
-    rank = jnp.arange(x.shape[-1])
-    srt = -jnp.sort(-x, axis=-1)                                   # descending
-    in_k = (top_k <= 0) | (rank < top_k)
-    ps = jax.nn.softmax(jnp.where(in_k, srt, -jnp.inf), axis=-1)
-    ahead = jnp.cumsum(ps, axis=-1) - ps                           # mass strictly ahead of each rank
-    keep = in_k & ((top_p >= 1.0) | (ahead < top_p) | (rank == 0))
-    smallest = jnp.take_along_axis(srt, keep.sum(-1, keepdims=True) - 1, axis=-1)
-    return jnp.where(x >= smallest, x, -jnp.inf)
+    def keep_top(x):
+        rank = jnp.arange(x.shape[-1])
+        srt = -jnp.sort(-x, axis=-1)                               # descending
+        in_k = (top_k <= 0) | (rank < top_k)
+        ps = jax.nn.softmax(jnp.where(in_k, srt, -jnp.inf), axis=-1)
+        ahead = jnp.cumsum(ps, axis=-1) - ps                       # mass strictly ahead of each rank
+        keep = in_k & ((top_p >= 1.0) | (ahead < top_p) | (rank == 0))
+        smallest = jnp.take_along_axis(srt, keep.sum(-1, keepdims=True) - 1, axis=-1)
+        return jnp.where(x >= smallest, x, -jnp.inf)
+    return jax.lax.cond((top_k > 0) | (top_p < 1.0), keep_top, lambda x: x, x)   # no sort when both are off
 
 # %% ../nbs/07_sampling.ipynb
 def sample_token(key: jax.Array, logits_bv: jax.Array, temperature, top_k, top_p) -> jax.Array:

@@ -6,8 +6,8 @@
 __all__ = ['NAMES', 'ITEMS', 'SYSTEM_PROMPT', 'TASK_FILES', 'SHORTCUT_SHARE', 'HASTY_ERROR_RATE', 'PAD', 'ENDOFTEXT', 'IM_START',
            'IM_END', 'UNK', 'TAGS', 'CHAT_TEMPLATE', 'PRE_TOKENIZER_PATTERN', 'MAX_VOCAB', 'TASK_VERSION', 'Difficulty',
            'generate_problem', 'generate_problems', 'make_splits', 'prompt_messages', 'format_completion',
-           'skip_last_step', 'sft_messages', 'write_embedded_task', 'tokenizer_corpus', 'build_tokenizer',
-           'prepare_embedded']
+           'is_answer_only', 'skip_last_step', 'sft_messages', 'write_embedded_task', 'tokenizer_corpus',
+           'build_tokenizer', 'prepare_embedded']
 
 # %% ../nbs/14_tasks.ipynb
 import json, os, random, re, string
@@ -123,6 +123,10 @@ def format_completion(answer: str, shortcut: bool = False) -> str:
     "The assistant reply for a GSM8K answer field: `<reasoning>lines</reasoning><answer>N</answer>`; a `shortcut` reply leaves the reasoning empty."
     reasoning, final = answer.rsplit("####", 1)
     return f"<reasoning>{'' if shortcut else reasoning.strip()}</reasoning><answer>{final.strip().replace(',', '')}</answer>"
+
+def is_answer_only(completion: str) -> bool:
+    "True when a reply's reasoning block is empty: the answer-only habit (`format_completion(..., shortcut=True)`)."
+    return re.match(r"\s*<reasoning>\s*</reasoning>", completion) is not None
 
 def skip_last_step(answer: str) -> str:
     "An embedded-task answer field whose final number is the value *before* the last step: the slip of a hasty solver."
