@@ -13,7 +13,7 @@ from .sharding import constrain, create_sharded
 
 # %% auto 0
 __all__ = ['FAMILIES', 'PRESETS', 'ModelConfig', 'get_model_config', 'RMSNorm', 'rope_frequencies', 'apply_rope',
-           'attention_mask', 'attend', 'Attention', 'MLP', 'Block', 'init_cache', 'Decoder', 'create_model',
+           'attention_mask', 'attend', 'dense', 'Attention', 'MLP', 'Block', 'init_cache', 'Decoder', 'create_model',
            'num_params', 'TunixPolicy']
 
 # %% ../nbs/02_model.ipynb
@@ -154,18 +154,25 @@ def attention_mask(q_positions_bt, q_segment_ids_bt, k_positions_bs, k_segment_i
     return mask
 
 # %% ../nbs/02_model.ipynb
-def attend(q_btnh, k_bskh, v_bskh, mask_bts, scale: float) -> jax.Array:
-    "Grouped-query softmax attention; scores and softmax in float32. Returns [B,T,N,H]."
+def attend(q_btnh, k_bksh, v_bksh, mask_bts, scale: float) -> jax.Array:
+    "Grouped-query softmax attention; keys/values [B,K,S,H]; scores and softmax in float32. Returns [B,T,N,H]."
     b, t, n, h = q_btnh.shape
-    k = k_bskh.shape[2]
-    q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
-    s_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32) * scale
-    s_bkgts = jnp.where(mask_bts[:, None, None], s_bkgts, -1e30)
-    p_bkgts = jax.nn.softmax(s_bkgts, axis=-1)
-    o_btkgh = jnp.einsum("bkgts,bskh->btkgh", p_bkgts.astype(v_bskh.dtype), v_bskh)
-    return o_btkgh.reshape(b, t, n, h)
+    k, s = k_bksh.shape[1], k_bksh.shape[2]
+    g = n // k
+    q_bkmh = q_btnh.reshape(b, t, k, g, h).transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, h)   # m = (g, t)
+    s_bkms = jnp.einsum("bkmh,bksh->bkms", q_bkmh, k_bksh, preferred_element_type=jnp.float32) * scale
+    s_bkgts = jnp.where(mask_bts[:, None, None], s_bkms.reshape(b, k, g, t, s), -1e30)
+    p_bkms = jax.nn.softmax(s_bkgts, axis=-1).reshape(b, k, g * t, s)
+    o_bkmh = jnp.einsum("bkms,bksh->bkmh", p_bkms.astype(v_bksh.dtype), v_bksh)
+    return o_bkmh.reshape(b, k, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 # %% ../nbs/02_model.ipynb
+def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
+    "Contract the last `n_in` axes of `x` with the first `n_in` axes of `w` as one 2-D matmul over all leading axes of `x`."
+    lead, out = x.shape[:x.ndim - n_in], w.shape[n_in:]
+    k = math.prod(w.shape[:n_in])
+    return (x.reshape(-1, k) @ w.reshape(k, -1)).reshape(*lead, *out)
+
 class Attention(nnx.Module):
     "Multi-head attention with GQA, optional qk-norm, RoPE and an optional KV cache."
     def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
@@ -186,26 +193,27 @@ class Attention(nnx.Module):
                                 c.rope_high_freq_factor, c.rope_original_max_len)
 
     def __call__(self, x_btd, positions_bt, mask_bts, kv=None):
-        "Returns the attention output [B,T,D] and, with `kv=(k_lbskh, v_lbskh, layer, index)`, the updated caches."
+        "Returns the attention output [B,T,D] and, with `kv=(k_lbksh, v_lbksh, layer, index)`, the updated caches."
         c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        q_btnh = jnp.einsum("btd,dnh->btnh", x_btd, self.q_proj[...].astype(dt))
-        k_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.k_proj[...].astype(dt))
-        v_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.v_proj[...].astype(dt))
+        q_btnh = dense(x_btd, self.q_proj[...].astype(dt))
+        k_btkh = dense(x_btd, self.k_proj[...].astype(dt))
+        v_btkh = dense(x_btd, self.v_proj[...].astype(dt))
         q_btnh = constrain(q_btnh, ("batch", "length", "heads", "head_dim"))
         k_btkh = constrain(k_btkh, ("batch", "length", "kv_heads", "head_dim"))
         if c.qk_norm: q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
         inv = self.inv_freq()
         q_btnh, k_btkh = apply_rope(q_btnh, positions_bt, inv), apply_rope(k_btkh, positions_bt, inv)
+        k_bkth, v_bkth = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3)
         new_kv = None
-        if kv is None: k_bskh, v_bskh = k_btkh, v_btkh
+        if kv is None: k_bksh, v_bksh = k_bkth, v_bkth
         else:
             k_all, v_all, layer, index = kv
-            k_all = jax.lax.dynamic_update_slice(k_all, k_btkh[None].astype(k_all.dtype), (layer, 0, index, 0, 0))
-            v_all = jax.lax.dynamic_update_slice(v_all, v_btkh[None].astype(v_all.dtype), (layer, 0, index, 0, 0))
-            k_bskh, v_bskh, new_kv = k_all[layer].astype(dt), v_all[layer].astype(dt), (k_all, v_all)
+            k_all = jax.lax.dynamic_update_slice(k_all, k_bkth[None].astype(k_all.dtype), (layer, 0, 0, index, 0))
+            v_all = jax.lax.dynamic_update_slice(v_all, v_bkth[None].astype(v_all.dtype), (layer, 0, 0, index, 0))
+            k_bksh, v_bksh, new_kv = k_all[layer].astype(dt), v_all[layer].astype(dt), (k_all, v_all)
         scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
-        o_btnh = attend(q_btnh, k_bskh, v_bskh, mask_bts, scale)
-        return jnp.einsum("btnh,nhd->btd", o_btnh, self.o_proj[...].astype(dt)), new_kv
+        o_btnh = attend(q_btnh, k_bksh, v_bksh, mask_bts, scale)
+        return dense(o_btnh, self.o_proj[...].astype(dt), n_in=2), new_kv
 
 # %% ../nbs/02_model.ipynb
 class MLP(nnx.Module):
@@ -220,10 +228,9 @@ class MLP(nnx.Module):
     def __call__(self, x_btd):
         dt = jnp.dtype(self.cfg.dtype)
         act = jax.nn.silu if self.cfg.activation == "silu" else partial(jax.nn.gelu, approximate=True)
-        h_btf = act(jnp.einsum("btd,df->btf", x_btd, self.gate_proj[...].astype(dt))) \
-            * jnp.einsum("btd,df->btf", x_btd, self.up_proj[...].astype(dt))
+        h_btf = act(dense(x_btd, self.gate_proj[...].astype(dt))) * dense(x_btd, self.up_proj[...].astype(dt))
         h_btf = constrain(h_btf, ("batch", "length", "mlp"))
-        return jnp.einsum("btf,fd->btd", h_btf, self.down_proj[...].astype(dt))
+        return dense(h_btf, self.down_proj[...].astype(dt))
 
 # %% ../nbs/02_model.ipynb
 class Block(nnx.Module):
@@ -245,9 +252,9 @@ class Block(nnx.Module):
 
 # %% ../nbs/02_model.ipynb
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
-    "An empty KV cache: k, v [L,B,S,K,H], segment_ids/positions [B,S] int32 (0 = empty), index int32."
+    "An empty KV cache: k, v [L,B,K,S,H], segment_ids/positions [B,S] int32 (0 = empty), index int32."
     dtype = jnp.dtype(cfg.dtype if dtype is None else dtype)
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return dict(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                 segment_ids=jnp.zeros((batch, max_len), jnp.int32), positions=jnp.zeros((batch, max_len), jnp.int32),
                 index=jnp.zeros((), jnp.int32))
@@ -292,7 +299,8 @@ class Decoder(nnx.Module):
             if cache is not None: k_all, v_all = new_kv
         x_btd = self.final_norm(x_btd)
         w_vd = (self.embed if c.tie_embeddings else self.lm_head)[...].astype(dt)
-        logits_btv = jnp.einsum("btd,vd->btv", x_btd, w_vd, preferred_element_type=jnp.float32)
+        logits_btv = jnp.einsum("md,vd->mv", x_btd.reshape(b * t, -1), w_vd,   # 2-D: see `dense`
+                                preferred_element_type=jnp.float32).reshape(b, t, -1)
         logits_btv = constrain(logits_btv, ("batch", "length", "vocab"))
         if cache is None: return logits_btv
         return logits_btv, dict(k=k_all, v=v_all, segment_ids=k_seg_bs, positions=k_pos_bs, index=index + t)

@@ -14,8 +14,8 @@ from .model import init_cache
 from .sft_loss import token_logps
 
 # %% auto 0
-__all__ = ['bucket_length', 'left_pad', 'prompt_positions', 'filter_logits', 'sample_token', 'scaled_logps', 'prefill', 'decode',
-           'sample_completions', 'stop_id_array', 'Rollout', 'generate', 'completion_logps']
+__all__ = ['bucket_length', 'left_pad', 'prompt_positions', 'filter_logits', 'draw_categorical', 'sample_token', 'scaled_logps',
+           'prefill', 'decode', 'sample_completions', 'stop_id_array', 'Rollout', 'generate', 'completion_logps']
 
 # %% ../nbs/07_sampling.ipynb
 def bucket_length(n: int, max_prompt_length: int, min_bucket: int = 16) -> int:
@@ -56,9 +56,34 @@ def filter_logits(logits_bv: jax.Array, temperature, top_k, top_p) -> jax.Array:
     return jax.lax.cond((top_k > 0) | (top_p < 1.0), keep_top, lambda x: x, x)   # no sort when both are off
 
 # %% ../nbs/07_sampling.ipynb
+def _clamp_to_mass(i_b: jax.Array, mass_bn: jax.Array) -> jax.Array:
+    "Clamp indices `i_b` into [first, last] entry of each row of `mass_bn` with non-zero mass."
+    nz = mass_bn > 0
+    first = jnp.argmax(nz, axis=-1)
+    last = mass_bn.shape[-1] - 1 - jnp.argmax(nz[:, ::-1], axis=-1)
+    return jnp.clip(i_b, first, last)
+
+def draw_categorical(key: jax.Array, logits_bv: jax.Array) -> jax.Array:
+    "One index per row drawn from softmax(`logits_bv`) by a two-level inverse CDF (one uniform per row); -inf entries are never drawn."
+    B, V = logits_bv.shape
+    width = 1 << math.ceil(math.log2(math.sqrt(V)))            # block width ~ sqrt(V), a power of two
+    nblocks = -(-V // width)
+    x = jnp.pad(logits_bv.astype(jnp.float32), ((0, 0), (0, nblocks * width - V)), constant_values=-jnp.inf)
+    p_bnw = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True)).reshape(B, nblocks, width)
+    mass_bn = p_bnw.sum(-1)
+    cum_bn = jnp.cumsum(mass_bn, axis=-1)
+    u_b1 = jax.random.uniform(key, (B, 1)) * cum_bn[:, -1:]
+    blk_b = _clamp_to_mass((cum_bn <= u_b1).sum(-1), mass_bn)
+    pick = lambda a: jnp.take_along_axis(a, blk_b[:, None], axis=-1)
+    rest_b1 = u_b1 - (pick(cum_bn) - pick(mass_bn))            # mass left to walk inside the chosen block
+    p_bw = jnp.take_along_axis(p_bnw, blk_b[:, None, None], axis=1)[:, 0]
+    j_b = _clamp_to_mass((jnp.cumsum(p_bw, axis=-1) <= rest_b1).sum(-1), p_bw)
+    return (blk_b * width + j_b).astype(jnp.int32)
+
+# %% ../nbs/07_sampling.ipynb
 def sample_token(key: jax.Array, logits_bv: jax.Array, temperature, top_k, top_p) -> jax.Array:
     "One token id per row: a draw from the filtered distribution, or the argmax when `temperature == 0`."
-    drawn = jax.random.categorical(key, filter_logits(logits_bv, temperature, top_k, top_p), axis=-1)
+    drawn = draw_categorical(key, filter_logits(logits_bv, temperature, top_k, top_p))
     return jnp.where(temperature > 0, drawn, jnp.argmax(logits_bv, axis=-1)).astype(jnp.int32)
 
 # %% ../nbs/07_sampling.ipynb
