@@ -154,13 +154,13 @@ def attention_mask(q_positions_bt, q_segment_ids_bt, k_positions_bs, k_segment_i
     return mask
 
 # %% ../nbs/02_model.ipynb
-def attend(q_btnh, k_bksh, v_bksh, mask_bts, scale: float) -> jax.Array:
-    "Grouped-query softmax attention; keys/values [B,K,S,H]; scores and softmax in float32. Returns [B,T,N,H]."
+def attend(q_btnh, k_bkhs, v_bksh, mask_bts, scale: float) -> jax.Array:
+    "Grouped-query softmax attention; keys [B,K,H,S], values [B,K,S,H]; scores and softmax in float32. Returns [B,T,N,H]."
     b, t, n, h = q_btnh.shape
-    k, s = k_bksh.shape[1], k_bksh.shape[2]
+    k, s = v_bksh.shape[1], v_bksh.shape[2]
     g = n // k
     q_bkmh = q_btnh.reshape(b, t, k, g, h).transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, h)   # m = (g, t)
-    s_bkms = jnp.einsum("bkmh,bksh->bkms", q_bkmh, k_bksh, preferred_element_type=jnp.float32) * scale
+    s_bkms = jnp.einsum("bkmh,bkhs->bkms", q_bkmh, k_bkhs, preferred_element_type=jnp.float32) * scale
     s_bkgts = jnp.where(mask_bts[:, None, None], s_bkms.reshape(b, k, g, t, s), -1e30)
     p_bkms = jax.nn.softmax(s_bkgts, axis=-1).reshape(b, k, g * t, s)
     o_bkmh = jnp.einsum("bkms,bksh->bkmh", p_bkms.astype(v_bksh.dtype), v_bksh)
@@ -193,7 +193,7 @@ class Attention(nnx.Module):
                                 c.rope_high_freq_factor, c.rope_original_max_len)
 
     def __call__(self, x_btd, positions_bt, mask_bts, kv=None):
-        "Returns the attention output [B,T,D] and, with `kv=(k_lbksh, v_lbksh, layer, index)`, the updated caches."
+        "Returns the attention output [B,T,D] and, with `kv=(k_bkhs, v_bksh, index)` (this layer's cache), the updated (k, v)."
         c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         q_btnh = dense(x_btd, self.q_proj[...].astype(dt))
         k_btkh = dense(x_btd, self.k_proj[...].astype(dt))
@@ -203,16 +203,17 @@ class Attention(nnx.Module):
         if c.qk_norm: q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
         inv = self.inv_freq()
         q_btnh, k_btkh = apply_rope(q_btnh, positions_bt, inv), apply_rope(k_btkh, positions_bt, inv)
-        k_bkth, v_bkth = k_btkh.transpose(0, 2, 1, 3), v_btkh.transpose(0, 2, 1, 3)
+        k_bkht, v_bkth = k_btkh.transpose(0, 2, 3, 1), v_btkh.transpose(0, 2, 1, 3)
         new_kv = None
-        if kv is None: k_bksh, v_bksh = k_bkth, v_bkth
+        if kv is None: k_bkhs, v_bksh = k_bkht, v_bkth
         else:
-            k_all, v_all, layer, index = kv
-            k_all = jax.lax.dynamic_update_slice(k_all, k_bkth[None].astype(k_all.dtype), (layer, 0, 0, index, 0))
-            v_all = jax.lax.dynamic_update_slice(v_all, v_bkth[None].astype(v_all.dtype), (layer, 0, 0, index, 0))
-            k_bksh, v_bksh, new_kv = k_all[layer].astype(dt), v_all[layer].astype(dt), (k_all, v_all)
+            k_cache, v_cache, index = kv
+            k_bkhs = jax.lax.dynamic_update_slice(k_cache, k_bkht.astype(k_cache.dtype), (0, 0, 0, index))
+            v_bksh = jax.lax.dynamic_update_slice(v_cache, v_bkth.astype(v_cache.dtype), (0, 0, index, 0))
+            new_kv = (k_bkhs, v_bksh)
+            k_bkhs, v_bksh = k_bkhs.astype(dt), v_bksh.astype(dt)
         scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
-        o_btnh = attend(q_btnh, k_bksh, v_bksh, mask_bts, scale)
+        o_btnh = attend(q_btnh, k_bkhs, v_bksh, mask_bts, scale)
         return dense(o_btnh, self.o_proj[...].astype(dt), n_in=2), new_kv
 
 # %% ../nbs/02_model.ipynb
@@ -252,11 +253,12 @@ class Block(nnx.Module):
 
 # %% ../nbs/02_model.ipynb
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
-    "An empty KV cache: k, v [L,B,K,S,H], segment_ids/positions [B,S] int32 (0 = empty), index int32."
+    "An empty KV cache: per layer k [B,K,H,S] and v [B,K,S,H] (tuples of L), segment_ids/positions [B,S] int32 (0 = empty), index int32."
     dtype = jnp.dtype(cfg.dtype if dtype is None else dtype)
-    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    return dict(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                segment_ids=jnp.zeros((batch, max_len), jnp.int32), positions=jnp.zeros((batch, max_len), jnp.int32),
+    b, k, h, s = batch, cfg.num_kv_heads, cfg.head_dim, max_len
+    return dict(k=tuple(jnp.zeros((b, k, h, s), dtype) for _ in range(cfg.num_layers)),
+                v=tuple(jnp.zeros((b, k, s, h), dtype) for _ in range(cfg.num_layers)),
+                segment_ids=jnp.zeros((b, s), jnp.int32), positions=jnp.zeros((b, s), jnp.int32),
                 index=jnp.zeros((), jnp.int32))
 
 class Decoder(nnx.Module):
@@ -292,18 +294,18 @@ class Decoder(nnx.Module):
         x_btd = jnp.take(table_vd, tokens_bt, axis=0).astype(dt)
         if c.embed_scale: x_btd = x_btd * jnp.asarray(math.sqrt(c.d_model), dt)
         x_btd = constrain(x_btd, ("batch", "length", "embed"))
-        k_all, v_all = (None, None) if cache is None else (cache["k"], cache["v"])
+        ks, vs = [], []
         for i, layer in enumerate(self.layers):
-            kv = None if cache is None else (k_all, v_all, i, index)
+            kv = None if cache is None else (cache["k"][i], cache["v"][i], index)
             x_btd, new_kv = layer(x_btd, positions_bt, local_bts if c.is_local(i) else global_bts, kv)
-            if cache is not None: k_all, v_all = new_kv
+            if cache is not None: ks.append(new_kv[0]); vs.append(new_kv[1])
         x_btd = self.final_norm(x_btd)
         w_vd = (self.embed if c.tie_embeddings else self.lm_head)[...].astype(dt)
         logits_btv = jnp.einsum("md,vd->mv", x_btd.reshape(b * t, -1), w_vd,   # 2-D: see `dense`
                                 preferred_element_type=jnp.float32).reshape(b, t, -1)
         logits_btv = constrain(logits_btv, ("batch", "length", "vocab"))
         if cache is None: return logits_btv
-        return logits_btv, dict(k=k_all, v=v_all, segment_ids=k_seg_bs, positions=k_pos_bs, index=index + t)
+        return logits_btv, dict(k=tuple(ks), v=tuple(vs), segment_ids=k_seg_bs, positions=k_pos_bs, index=index + t)
 
 # %% ../nbs/02_model.ipynb
 def create_model(cfg: ModelConfig, *, seed: int = 0, mesh=None) -> Decoder:
