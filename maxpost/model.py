@@ -154,16 +154,44 @@ def attention_mask(q_positions_bt, q_segment_ids_bt, k_positions_bs, k_segment_i
     return mask
 
 # %% ../nbs/02_model.ipynb
+def _scores(q_bkmh, k_bkhs, mask_bts, scale, g):
+    "Masked float32 scores [B,K,G,T,S] of the stacked queries against the keys."
+    b, k, m, _ = q_bkmh.shape
+    s_bkms = jnp.einsum("bkmh,bkhs->bkms", q_bkmh, k_bkhs, preferred_element_type=jnp.float32) * scale
+    return jnp.where(mask_bts[:, None, None], s_bkms.reshape(b, k, g, m // g, -1), -1e30)
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _softmax_attention(q_bkmh, k_bkhs, v_bksh, mask_bts, scale: float, g: int):
+    return _softmax_attention_fwd(q_bkmh, k_bkhs, v_bksh, mask_bts, scale, g)[0]
+
+def _softmax_attention_fwd(q_bkmh, k_bkhs, v_bksh, mask_bts, scale, g):
+    b, k, m, _ = q_bkmh.shape
+    p_bkms = jax.nn.softmax(_scores(q_bkmh, k_bkhs, mask_bts, scale, g), axis=-1).reshape(b, k, m, -1)
+    o_bkmh = jnp.einsum("bkms,bksh->bkmh", p_bkms.astype(v_bksh.dtype), v_bksh)
+    return o_bkmh, (q_bkmh, k_bkhs, v_bksh, mask_bts, p_bkms, o_bkmh)
+
+def _softmax_attention_bwd(scale, g, res, do_bkmh):
+    q_bkmh, k_bkhs, v_bksh, mask_bts, p_bkms, o_bkmh = res
+    b, k, m, _ = q_bkmh.shape
+    dp_bkms = jnp.einsum("bkmh,bksh->bkms", do_bkmh, v_bksh, preferred_element_type=jnp.float32)
+    rowdot_bkm1 = jnp.sum(do_bkmh.astype(jnp.float32) * o_bkmh.astype(jnp.float32), -1, keepdims=True)
+    ds_bkms = p_bkms * (dp_bkms - rowdot_bkm1) * scale
+    ds_bkms = jnp.where(mask_bts[:, None, None], ds_bkms.reshape(b, k, g, m // g, -1), 0.0).reshape(b, k, m, -1)
+    ds_bkms = ds_bkms.astype(q_bkmh.dtype)
+    dq_bkmh = jnp.einsum("bkms,bkhs->bkmh", ds_bkms, k_bkhs)
+    dk_bkhs = jnp.einsum("bkmh,bkms->bkhs", q_bkmh, ds_bkms)
+    dv_bksh = jnp.einsum("bkms,bkmh->bksh", p_bkms.astype(do_bkmh.dtype), do_bkmh)
+    return dq_bkmh, dk_bkhs, dv_bksh, None
+
+_softmax_attention.defvjp(_softmax_attention_fwd, _softmax_attention_bwd)
+
 def attend(q_btnh, k_bkhs, v_bksh, mask_bts, scale: float) -> jax.Array:
     "Grouped-query softmax attention; keys [B,K,H,S], values [B,K,S,H]; scores and softmax in float32. Returns [B,T,N,H]."
     b, t, n, h = q_btnh.shape
-    k, s = v_bksh.shape[1], v_bksh.shape[2]
+    k = v_bksh.shape[1]
     g = n // k
     q_bkmh = q_btnh.reshape(b, t, k, g, h).transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, h)   # m = (g, t)
-    s_bkms = jnp.einsum("bkmh,bkhs->bkms", q_bkmh, k_bkhs, preferred_element_type=jnp.float32) * scale
-    s_bkgts = jnp.where(mask_bts[:, None, None], s_bkms.reshape(b, k, g, t, s), -1e30)
-    p_bkms = jax.nn.softmax(s_bkgts, axis=-1).reshape(b, k, g * t, s)
-    o_bkmh = jnp.einsum("bkms,bksh->bkmh", p_bkms.astype(v_bksh.dtype), v_bksh)
+    o_bkmh = _softmax_attention(q_bkmh, k_bkhs, v_bksh, mask_bts, scale, g)
     return o_bkmh.reshape(b, k, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 # %% ../nbs/02_model.ipynb
