@@ -302,8 +302,9 @@ class Decoder(nnx.Module):
             self.lm_head = _param(rngs.params(), _fan_in(1), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                                   cfg.param_dtype)
 
-    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, *, cache: dict | None = None):
-        "Logits [B,T,V] float32; with `cache`, returns (logits, updated cache)."
+    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, *, cache: dict | None = None,
+                 logits_range: tuple[int, int] | None = None):
+        "Logits [B,T,V] float32 (only positions [start, stop) with `logits_range`); with `cache`, returns (logits, updated cache)."
         c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         b, t = tokens_bt.shape
         if positions_bt is None: positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -327,10 +328,11 @@ class Decoder(nnx.Module):
             kv = None if cache is None else (cache["k"][i], cache["v"][i], index)
             x_btd, new_kv = layer(x_btd, positions_bt, local_bts if c.is_local(i) else global_bts, kv)
             if cache is not None: ks.append(new_kv[0]); vs.append(new_kv[1])
+        if logits_range is not None: x_btd = x_btd[:, logits_range[0]:logits_range[1]]
         x_btd = self.final_norm(x_btd)
         w_vd = (self.embed if c.tie_embeddings else self.lm_head)[...].astype(dt)
-        logits_btv = jnp.einsum("md,vd->mv", x_btd.reshape(b * t, -1), w_vd,   # 2-D: see `dense`
-                                preferred_element_type=jnp.float32).reshape(b, t, -1)
+        logits_btv = jnp.einsum("md,vd->mv", x_btd.reshape(-1, x_btd.shape[-1]), w_vd,   # 2-D: see `dense`
+                                preferred_element_type=jnp.float32).reshape(*x_btd.shape[:2], -1)
         logits_btv = constrain(logits_btv, ("batch", "length", "vocab"))
         if cache is None: return logits_btv
         return logits_btv, dict(k=tuple(ks), v=tuple(vs), segment_ids=k_seg_bs, positions=k_pos_bs, index=index + t)
@@ -352,10 +354,11 @@ class TunixPolicy(nnx.Module):
     def __init__(self, model: nnx.Module):
         self.model = model
 
-    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None):
+    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, *, logits_range=None):
         b, t = tokens_bt.shape
         if positions_bt is None: positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         if segment_ids_bt is None: segment_ids_bt = jnp.ones((b, t), jnp.int32)
         mask_bts = attention_mask(positions_bt, segment_ids_bt, positions_bt, segment_ids_bt)
         logits_btv, _ = self.model(tokens_bt, positions_bt, None, mask_bts)
+        if logits_range is not None: logits_btv = logits_btv[:, logits_range[0]:logits_range[1]]
         return logits_btv.astype(jnp.float32)

@@ -95,7 +95,9 @@ def scaled_logps(logits_btv: jax.Array, tokens_bt: jax.Array, temperature=1.0) -
 def prefill(model, prompt_ids: jax.Array, prompt_mask: jax.Array, cache_length: int):
     "Run the left-padded prompts through `model` once, filling a fresh cache: (next-token logits [B,V], cache)."
     cache = init_cache(model.cfg, prompt_ids.shape[0], cache_length)   # in the model's compute dtype
-    logits, cache = model(prompt_ids, prompt_positions(prompt_mask), prompt_mask.astype(jnp.int32), cache=cache)
+    P = prompt_ids.shape[1]
+    logits, cache = model(prompt_ids, prompt_positions(prompt_mask), prompt_mask.astype(jnp.int32), cache=cache,
+                          logits_range=(P - 1, P))                         # only the last column's logits
     return logits[:, -1].astype(jnp.float32), cache
 
 def decode(model, cache, logits_bv, prompt_lengths, key, temperature, top_k, top_p, eos_ids, pad_id,
@@ -180,5 +182,5 @@ def completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_
     positions = jnp.concatenate([prompt_positions(prompt_mask),
                                  prompt_mask.sum(1, keepdims=True) + jnp.arange(T, dtype=jnp.int32)[None]], 1)
     segment_ids = jnp.concatenate([prompt_mask, jnp.ones((tokens.shape[0], T), jnp.int32)], 1)
-    logits = model(tokens, positions, segment_ids)[:, P - 1:P + T - 1]
+    logits = model(tokens, positions, segment_ids, logits_range=(P - 1, P + T - 1))   # no logits for the prompt
     return jnp.where(jnp.asarray(completion_mask) > 0, scaled_logps(logits, tokens[:, P:], temperature), 0.0)
