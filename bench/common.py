@@ -14,16 +14,25 @@ TRL_SITE = os.environ.get("MAXPOST_BENCH_TRL_SITE", "/work/bench-peers/trl-site"
 VLLM_PY = os.environ.get("MAXPOST_BENCH_VLLM_PY", "/work/vllm-venv/bin/python")
 THREADS = int(os.environ.get("MAXPOST_BENCH_THREADS", os.cpu_count() or 1))
 
-# Qwen3-style shapes shared by all frameworks. "tiny" is the 3.3M shape of maxpost's first tiny preset (the results
-# in bench/README.md were measured on it; the preset itself is now 1.0M, see nbs/14_tasks); "20m" is ~20.4M parameters:
-# d_model 384, 10 layers, 6 query heads x 64 with 2 KV heads (GQA 3:1), MLP 3 x d_model as in Qwen3-0.6B,
+# Qwen3-style shapes shared by all frameworks. "tiny" is maxpost's `tiny` preset (nbs/02_model, the embedded default's
+# model: 1.0M parameters; the maxpost workers check that the numbers still match the preset); "20m" is ~20.4M
+# parameters: d_model 384, 10 layers, 6 query heads x 64 with 2 KV heads (GQA 3:1), MLP 3 x d_model as in Qwen3-0.6B,
 # vocab 8192, tied embeddings, qk-norm. Counted: embed 8192*384 = 3.15M; per layer attention 0.39M + MLP 1.33M.
 SHAPES = {
-    "tiny": dict(vocab_size=512, d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, mlp_dim=768,
+    "tiny": dict(vocab_size=512, d_model=128, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=64, mlp_dim=512,
                  rope_theta=10_000.0, norm_eps=1e-6),
     "20m": dict(vocab_size=8192, d_model=384, num_layers=10, num_heads=6, num_kv_heads=2, head_dim=64, mlp_dim=1152,
                 rope_theta=10_000.0, norm_eps=1e-6),
 }
+
+
+def maxpost_config(shape: str):
+    "maxpost's ModelConfig of a bench shape; for `tiny`, checked to be exactly the `tiny` preset."
+    from maxpost.model import PRESETS, get_model_config
+    cfg = get_model_config("tiny", **SHAPES[shape])
+    if shape == "tiny" and cfg != PRESETS["tiny"]:
+        raise SystemExit(f"bench/common.py SHAPES['tiny'] no longer matches maxpost's tiny preset: {PRESETS['tiny']}")
+    return cfg
 
 
 def thread_env() -> dict:
@@ -45,9 +54,8 @@ def param_count(shape: str) -> int:
 
 def train_flops_per_token(shape: str, seq_len: int) -> float:
     "Training FLOPs per token of a bench shape, by the same formula as the trainers' MFU (maxpost.train)."
-    from maxpost.model import get_model_config
     from maxpost.train import flops_per_token
-    return flops_per_token(get_model_config("tiny", **SHAPES[shape]), seq_len)
+    return flops_per_token(maxpost_config(shape), seq_len)
 
 
 def step_clock():

@@ -33,11 +33,11 @@ def reward_even(prompts, completions, **kw) -> list[float]:
 def run_maxpost(a, prompts) -> dict:
     import jax, jax.numpy as jnp, numpy as np, optax
     from flax import nnx
-    from maxpost.model import get_model_config, create_model
+    from maxpost.model import create_model
     from maxpost.sampling import generate
     from maxpost.advantages import group_advantages
     from maxpost.rl import make_rl_step, make_logps_fn
-    cfg = get_model_config("tiny", **common.SHAPES[a.shape])
+    cfg = common.maxpost_config(a.shape)
     model = create_model(cfg, seed=0)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     ref_params = jax.tree.map(jnp.copy, params)

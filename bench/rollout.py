@@ -37,9 +37,9 @@ def tunix_config(shape: str):
 
 
 def run_maxpost(a, prompts) -> dict:
-    from maxpost.model import get_model_config, create_model
+    from maxpost.model import create_model
     from maxpost.sampling import generate
-    model = create_model(get_model_config("tiny", **common.SHAPES[a.shape]), seed=0)
+    model = create_model(common.maxpost_config(a.shape), seed=0)
     seed = iter(range(10**6))
     def one():
         r = generate(model, prompts, max_prompt_length=a.prompt, max_completion_length=a.new, temperature=1.0,
@@ -83,7 +83,9 @@ def run_hf(a, prompts) -> dict:
 
 def vllm_model_dir(shape: str) -> Path:
     "A Hugging Face directory (random Qwen3 weights + id tokenizer) for vLLM, written once with torch."
-    d = Path(os.environ.get("MAXPOST_BENCH_CACHE", "/tmp/maxpost_bench")) / f"hf_{shape}"
+    s = common.SHAPES[shape]   # the directory name carries the shape's numbers: an edited shape gets a new directory
+    tag = "_".join(str(s[k]) for k in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"))
+    d = Path(os.environ.get("MAXPOST_BENCH_CACHE", "/tmp/maxpost_bench")) / f"hf_{shape}_{tag}"
     if not (d / "config.json").exists():
         import torch
         from transformers import Qwen3ForCausalLM

@@ -22,9 +22,9 @@ LR, CLIP = 1e-5, 1.0
 def run_maxpost(a) -> dict:
     import jax, optax
     from flax import nnx
-    from maxpost.model import get_model_config, create_model, num_params
+    from maxpost.model import create_model, num_params
     from maxpost.sft import make_sft_step
-    cfg = get_model_config("tiny", **common.SHAPES[a.shape])
+    cfg = common.maxpost_config(a.shape)
     model = create_model(cfg, seed=0)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(LR, weight_decay=0.0))

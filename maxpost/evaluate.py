@@ -4,7 +4,7 @@
 
 # %% ../nbs/12_evaluate.ipynb 4
 from __future__ import annotations
-import dataclasses, itertools, json, math, os, sys
+import dataclasses, itertools, json, math, os
 from collections.abc import Sequence
 from pathlib import Path
 

@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from maxpost.tasks import (Difficulty, HASTY_ERROR_RATE, SHORTCUT_SHARE, SYSTEM_PROMPT, TAGS, build_tokenizer, format_completion, generate_problems,
-                           make_splits, prepare_embedded, prompt_messages, sft_messages, skip_last_step,
+                           is_answer_only, make_splits, prepare_embedded, prompt_messages, sft_messages, skip_last_step,
                            write_embedded_task)
 
 _EQ = re.compile(r"(-?\d+) ([-+*]) (\d+) = (-?\d+)")
@@ -126,7 +126,7 @@ def test_files_load_with_datasets(tmp_path):
     for share, want in ((0.0, False), (1.0, True)):
         d = write_embedded_task(tmp_path / f"s{share}", seed=4, n_train=30, n_test=5, shortcut_share=share)
         rows = [json.loads(l)["messages"][-1]["content"] for l in open(d["sft_train"])]
-        assert all(r.startswith("<reasoning></reasoning>") == want for r in rows)
+        assert all(is_answer_only(r) == want for r in rows)
     d = write_embedded_task(tmp_path / "noslip", seed=4, n_train=30, n_test=5, shortcut_share=1.0, hasty_error_rate=0.0)
     sft_rows = [json.loads(l)["messages"] for l in open(d["sft_train"])]
     train = [json.loads(l) for l in open(d["train"])]
@@ -134,15 +134,25 @@ def test_files_load_with_datasets(tmp_path):
     with pytest.raises(ValueError, match="shortcut_share"): write_embedded_task(tmp_path / "bad", shortcut_share=1.5)
     with pytest.raises(ValueError, match="hasty_error_rate"): write_embedded_task(tmp_path / "bad", hasty_error_rate=-0.1)
 
-def test_skip_last_step_is_the_value_before_the_last_step(splits):
-    for p in splits[1][:200]:
-        question = p["question"]
-        numbers = [int(n) for n in re.findall(r"\d+", question)]
-        # two-step problems: start, first operand, second operand; recompute the first step from the question's words
-        x0, b1 = numbers[0], numbers[1]
-        first = question.split(". ")[1]
-        y1 = x0 * b1 if "times as many" in first else x0 + b1 if " more " in first else x0 - b1
-        assert skip_last_step(p["answer"]).rsplit("####", 1)[1].strip() == str(y1), question
+def _values_from_question(question: str) -> tuple[int, list[int]]:
+    "The start value and the running value after each step, recomputed from the question's sentences alone."
+    sentences = question.split(". ")
+    x0 = x = int(re.findall(r"\d+", sentences[0])[0])
+    values = []
+    for s in sentences[1:-1]:                       # one sentence a step; the last one asks the question
+        b = int(re.findall(r"\d+", s)[0])
+        x = x * b if "times as many" in s else x + b if " more " in s else x - b
+        values.append(x)
+    return x0, values
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 4])
+def test_skip_last_step_is_the_value_before_the_last_step(steps):
+    train, _ = make_splits(seed=steps, n_train=200, n_test=4, difficulty=Difficulty(min_steps=steps, max_steps=steps))
+    for p in train:
+        x0, values = _values_from_question(p["question"])
+        assert len(values) == steps and p["answer"].rsplit("####", 1)[1].strip() == str(values[-1]), p
+        before = values[-2] if steps > 1 else x0
+        assert skip_last_step(p["answer"]).rsplit("####", 1)[1].strip() == str(before), p["question"]
 
 def test_tokenizer_round_trip_and_size(tok, splits):
     tokenizer, _ = tok

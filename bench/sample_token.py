@@ -1,15 +1,16 @@
-"""Cost of the top-k / top-p filter in one decode step, with the filters off (the RL default: top_k=0, top_p=1).
+"""Cost of drawing one token per row at one decode step, filters off (the RL default: temperature 1, top_k=0, top_p=1).
 
-maxpost's `filter_logits` skips its sort with a `lax.cond` when both filters are off; the peer is the same filter
-without that branch (sort always, as before the change). Both are jitted into a draw of one token per row
-(`jax.random.categorical`), the work a decode step does after the model's forward pass.
+Three versions of the same step, each jitted: what maxpost's decode step ran before (top-k / top-p filter that
+always sorts the vocabulary, then `jax.random.categorical`, i.e. Gumbel-max with one uniform per vocabulary entry),
+the filter with its `lax.cond` skip but still Gumbel-max, and maxpost's `sample_token` now (the `lax.cond` filter
+and `draw_categorical`, a two-level inverse CDF with one uniform per row). All three draw from the same distribution.
 
-    .venv/bin/python bench/filter_logits.py            # prints a table: ms per call and the ratio peer / maxpost
+    .venv/bin/python bench/sample_token.py            # prints a table: ms per call and the ratios to maxpost
 """
 import argparse, os, statistics, time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax, jax.numpy as jnp
-from maxpost.sampling import filter_logits
+from maxpost.sampling import filter_logits, sample_token
 
 
 def filter_always_sort(logits_bv, temperature, top_k, top_p):
@@ -25,7 +26,8 @@ def filter_always_sort(logits_bv, temperature, top_k, top_p):
     return jnp.where(x >= smallest, x, -jnp.inf)
 
 
-def draw(filt):
+def gumbel(filt):
+    "The step with `filt` and `jax.random.categorical` (Gumbel-max)."
     return jax.jit(lambda key, z, t, k, p: jax.random.categorical(key, filt(z, t, k, p), axis=-1))
 
 
@@ -43,18 +45,20 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--reps", type=int, default=30)
     a = ap.parse_args()
-    ours, peer = draw(filter_logits), draw(filter_always_sort)
+    versions = {"maxpost": jax.jit(sample_token), "cond filter + Gumbel": gumbel(filter_logits),
+                "sort + Gumbel (before)": gumbel(filter_always_sort)}
     key = jax.random.key(0)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cores; top_k=0, top_p=1, temperature=1")
-    print("| vocab | batch | maxpost ms | sort-always ms | ratio sort-always / maxpost |")
-    print("|---|---|---|---|---|")
+    print("| vocab | batch | " + " | ".join(f"{n} ms" for n in versions) + " | cond filter + Gumbel / maxpost | "
+          "sort + Gumbel / maxpost |")
+    print("|---|---|---|---|---|---|---|")
     for v in a.vocab:
         for b in a.batch:
             z = jax.random.normal(jax.random.key(v + b), (b, v), jnp.float32)
             args = (key, z, jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0))
-            m, p = ms_per_call(ours, *args, reps=a.reps), ms_per_call(peer, *args, reps=a.reps)
-            print(f"| {v} | {b} | {m:.3f} | {p:.3f} | {p / m:.1f}x |", flush=True)
-
+            ms = [ms_per_call(f, *args, reps=a.reps) for f in versions.values()]
+            print(f"| {v} | {b} | " + " | ".join(f"{m:.3f}" for m in ms) + f" | {ms[1] / ms[0]:.1f}x | {ms[2] / ms[0]:.1f}x |",
+                  flush=True)
 
 if __name__ == "__main__":
     main()
