@@ -185,14 +185,26 @@ def _softmax_attention_bwd(scale, g, res, do_bkmh):
 
 _softmax_attention.defvjp(_softmax_attention_fwd, _softmax_attention_bwd)
 
-def attend(q_btnh, k_bkhs, v_bksh, mask_bts, scale: float) -> jax.Array:
-    "Grouped-query softmax attention; keys [B,K,H,S], values [B,K,S,H]; scores and softmax in float32. Returns [B,T,N,H]."
+def _attend_all(q_btnh, k_bkhs, v_bksh, mask_bts, scale: float) -> jax.Array:
     b, t, n, h = q_btnh.shape
     k = v_bksh.shape[1]
     g = n // k
     q_bkmh = q_btnh.reshape(b, t, k, g, h).transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, h)   # m = (g, t)
     o_bkmh = _softmax_attention(q_bkmh, k_bkhs, v_bksh, mask_bts, scale, g)
     return o_bkmh.reshape(b, k, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+def attend(q_btnh, k_bkhs, v_bksh, mask_bts, scale: float, *, block: int | None = None) -> jax.Array:
+    "Grouped-query softmax attention; keys [B,K,H,S], values [B,K,S,H]; scores and softmax in float32. Returns [B,T,N,H]."
+    t, s = q_btnh.shape[1], v_bksh.shape[2]
+    block = block or max(128, t // 8)
+    if t != s or t <= block: return _attend_all(q_btnh, k_bkhs, v_bksh, mask_bts, scale)
+    ends = list(range(block, t, block)) + [t]                 # query block [start, end) looks at keys [0, end)
+    def by_blocks(q, kk, vv, m):
+        return jnp.concatenate([_attend_all(q[:, a:e], kk[..., :e], vv[:, :, :e], m[:, a:e, :e], scale)
+                                for a, e in zip([0] + ends[:-1], ends)], axis=1)
+    block_end_t = jnp.minimum((jnp.arange(t) // block + 1) * block, t)
+    sees_ahead = jnp.any(mask_bts & (jnp.arange(s)[None, None, :] >= block_end_t[None, :, None]))
+    return jax.lax.cond(sees_ahead, lambda *a: _attend_all(*a, scale), by_blocks, q_btnh, k_bkhs, v_bksh, mask_bts)
 
 # %% ../nbs/02_model.ipynb
 def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
