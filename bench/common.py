@@ -156,9 +156,15 @@ def load_avg() -> str:
 
 
 def run_worker(script: str, args: list[str], *, python: str = PY, extra_path: str | None = None,
-               timeout: float = 900) -> dict:
-    "Launch `python script --worker ... args` in a fresh process; its BENCH_RESULT record, or an error record."
+               timeout: float = 900, own_threads: bool = False) -> dict:
+    """Launch `python script --worker ... args` in a fresh process; its BENCH_RESULT record, or an error record.
+
+    `own_threads`: leave the OpenMP / MKL thread counts unset, for an engine that places its own threads (vLLM's CPU
+    backend binds one OpenMP thread per core itself; with OMP_NUM_THREADS forced to the core count its threads
+    oversubscribed the 2 cores and a 128-token call took ~30 s at any batch size)."""
     env = thread_env()
+    if own_threads:
+        for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"): env.pop(k, None)
     if extra_path: env["PYTHONPATH"] = extra_path + os.pathsep + env["PYTHONPATH"]
     cmd = [python, str(Path(__file__).parent / script), *args]
     t0 = time.perf_counter()

@@ -173,7 +173,7 @@ def main(argv=None) -> int:
             if eng == "vllm":
                 if not vllm_ok: continue
                 res[eng] = common.run_worker("rollout.py", ["--worker", eng, *base, "--model-dir", str(mdir)],
-                                             python=common.VLLM_PY, timeout=1200)
+                                             python=common.VLLM_PY, timeout=1200, own_threads=True)
             else: res[eng] = common.run_worker("rollout.py", ["--worker", eng, *base], timeout=1200)
             print(shape, eng, {k: v for k, v in res[eng].items() if k not in ("batches", "log_tail")}, flush=True)
             if "log_tail" in res[eng]: print("\n".join(res[eng]["log_tail"]), flush=True)

@@ -1,0 +1,100 @@
+"""Where a maxpost step spends its time: one profiled call, XLA's ops summed by the JAX operation they came from.
+
+Runs one of maxpost's compiled programs on a bench shape (after a warmup call that compiles it) under
+`jax.profiler.trace`, reads the Perfetto trace back, maps every executed XLA op (fusion, dot, copy, ...) to the
+`op_name` and output shape of its HLO instruction (from an XLA dump of the optimized module), and prints the
+total time per (operation, shape) with its share of all op time. This is how the fixes listed in bench/README.md
+were found: a large share on `copy` / `transpose` ops, or a dot far below the matmul peak of `matmul_shapes.py`,
+points at a layout the CPU backend has to repack.
+
+    python bench/profile_step.py sft --shape 20m --seq 512 --batch 8      # one SFT train step
+    python bench/profile_step.py rollout --shape 20m --batch 64 --new 128  # one `generate` call (prefill + decode)
+    python bench/profile_step.py rl --shape 20m --batch 32 --new 64       # one GRPO update (make_rl_step)
+"""
+from __future__ import annotations
+import argparse, collections, glob, gzip, json, os, re, sys, tempfile, time
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+
+
+def build(a):
+    "A zero-argument function running one step of the chosen program, and the jitted function's name in the dump."
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from flax import nnx
+    from maxpost.model import create_model
+    cfg = common.maxpost_config(a.shape)
+    model = create_model(cfg, seed=0)
+    if a.what == "rollout":
+        from maxpost.sampling import generate
+        prompts = common.prompt_ids(a.batch, a.prompt, cfg.vocab_size, seed=1)
+        return (lambda: generate(model, prompts, max_prompt_length=a.prompt, max_completion_length=a.new,
+                                 temperature=1.0, eos_ids=())), "sample_completions"
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5, weight_decay=0.0))
+    st = {"p": params, "o": tx.init(params)}
+    if a.what == "sft":
+        from maxpost.sft import make_sft_step
+        step = make_sft_step(graphdef, tx)
+        batch = {k: jnp.asarray(v) for k, v in common.sft_batch(a.batch, a.seq, cfg.vocab_size).items()}
+    else:
+        from maxpost.rl import make_rl_step, make_logps_fn
+        step = make_rl_step(graphdef, tx, dict(loss_algo="grpo", epsilon_low=0.2, epsilon_high=0.2, beta=0.04,
+                                               kl_estimator="k3", loss_agg_mode="token-mean"), 1.0)
+        rng = np.random.default_rng(0)
+        batch = dict(prompt_ids=rng.integers(3, cfg.vocab_size, (a.batch, a.prompt)).astype(np.int32),
+                     prompt_mask=np.ones((a.batch, a.prompt), np.int32),
+                     completion_ids=rng.integers(3, cfg.vocab_size, (a.batch, a.new)).astype(np.int32),
+                     completion_mask=np.ones((a.batch, a.new), np.int32),
+                     advantages=rng.normal(size=a.batch).astype(np.float32))
+        batch["ref_per_token_logps"] = make_logps_fn(graphdef, 1.0)(params, rest, batch)
+    def one():
+        st["p"], st["o"], m = step(st["p"], rest, st["o"], batch)
+        jax.block_until_ready(m)
+    return one, "step"
+
+
+def op_names(dump_dir: str, module: str) -> dict[str, str]:
+    "HLO instruction name -> 'op_name output-shape' from the largest optimized dump of `module`."
+    files = sorted(glob.glob(f"{dump_dir}/*jit_{module}.cpu_after_optimizations.txt"), key=os.path.getsize)
+    out = {}
+    for line in open(files[-1]):
+        m = re.match(r"\s+%(\S+) = (\S+) .*op_name=\"([^\"]+)\"", line)
+        if m: out[m.group(1)] = f"{m.group(3).split('/')[-1]} {m.group(2)}"
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["sft", "rollout", "rl"])
+    ap.add_argument("--shape", default="20m", choices=list(common.SHAPES))
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--top", type=int, default=30)
+    a = ap.parse_args(argv)
+    work = tempfile.mkdtemp(prefix="maxpost_profile_")
+    os.environ["XLA_FLAGS"] = f"--xla_dump_to={work}/hlo --xla_dump_hlo_as_text"   # before JAX starts
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    one, module = build(a)
+    one()                                                      # compile
+    t0 = time.perf_counter(); one(); wall = time.perf_counter() - t0
+    with jax.profiler.trace(f"{work}/trace", create_perfetto_trace=True): one()
+    names = op_names(f"{work}/hlo", module)
+    trace = json.load(gzip.open(glob.glob(f"{work}/trace/**/*.trace.json.gz", recursive=True)[0]))
+    total, calls = collections.Counter(), collections.Counter()
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X" and e["name"] in names:
+            total[names[e["name"]]] += e["dur"]; calls[names[e["name"]]] += 1
+    all_us = sum(total.values())
+    print(f"{a.what} on {a.shape}: {wall:.3f} s a call unprofiled; {all_us / 1e6:.3f} s of XLA ops in the profiled call")
+    print("| ms | share | calls | operation and output shape |\n|---|---|---|---|")
+    for k, us in total.most_common(a.top):
+        print(f"| {us / 1e3:.1f} | {100 * us / all_us:.1f}% | {calls[k]} | `{k[:120]}` |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
