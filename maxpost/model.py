@@ -12,9 +12,9 @@ from flax import nnx
 from .sharding import constrain, create_sharded
 
 # %% auto 0
-__all__ = ['FAMILIES', 'PRESETS', 'ModelConfig', 'get_model_config', 'RMSNorm', 'rope_frequencies', 'apply_rope',
-           'attention_mask', 'attend', 'dense', 'Attention', 'MLP', 'Block', 'init_cache', 'Decoder', 'create_model',
-           'num_params', 'TunixPolicy']
+__all__ = ['FAMILIES', 'PRESETS', 'ModelConfig', 'get_model_config', 'RMSNorm', 'rope_frequencies', 'rope_sin_cos', 'rotate',
+           'apply_rope', 'attention_mask', 'attend', 'dense', 'Attention', 'MLP', 'Block', 'init_cache', 'grow_cache',
+           'Decoder', 'create_model', 'num_params', 'TunixPolicy']
 
 # %% ../nbs/02_model.ipynb
 FAMILIES = ("llama", "qwen3", "gemma3")
@@ -136,12 +136,23 @@ def rope_frequencies(head_dim: int, theta: float, rope_type: str = "default", fa
         inv = np.where(wavelen < high_wl, inv, np.where(wavelen > low_wl, inv / factor, mid))
     return inv.astype(np.float32)
 
-def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq_h: np.ndarray) -> jax.Array:
-    "Rotate feature pairs (j, j + head_dim/2) of `x_btnh` by angle position * inv_freq_j."
+def rope_sin_cos(positions_bt: jax.Array, inv_freq_h: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    "sin and cos [B,T,1,head_dim/2] of the angles position * inv_freq_j, materialised once (see below)."
     angles_bth = positions_bt[..., None].astype(jnp.float32) * jnp.asarray(inv_freq_h)
-    sin, cos = jnp.sin(angles_bth)[:, :, None, :], jnp.cos(angles_bth)[:, :, None, :]
+    sc_bt2h = jnp.stack([jnp.sin(angles_bth), jnp.cos(angles_bth)], axis=2)
+    sc_bt2h = jnp.einsum("btch,hg->btcg", sc_bt2h, jnp.eye(sc_bt2h.shape[-1], dtype=jnp.float32),   # see below
+                         precision=jax.lax.Precision.HIGHEST)
+    return sc_bt2h[:, :, :1], sc_bt2h[:, :, 1:]
+
+def rotate(x_btnh: jax.Array, sin_cos: tuple[jax.Array, jax.Array]) -> jax.Array:
+    "Rotate feature pairs (j, j + head_dim/2) of `x_btnh` by the angles whose `rope_sin_cos` is given."
+    sin, cos = sin_cos
     x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_btnh.dtype)
+
+def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq_h: np.ndarray) -> jax.Array:
+    "Rotate feature pairs (j, j + head_dim/2) of `x_btnh` by angle position * inv_freq_j."
+    return rotate(x_btnh, rope_sin_cos(positions_bt, inv_freq_h))
 
 # %% ../nbs/02_model.ipynb
 def attention_mask(q_positions_bt, q_segment_ids_bt, k_positions_bs, k_segment_ids_bs,
@@ -232,8 +243,8 @@ class Attention(nnx.Module):
         return rope_frequencies(c.head_dim, c.rope_theta, c.rope_type, c.rope_factor, c.rope_low_freq_factor,
                                 c.rope_high_freq_factor, c.rope_original_max_len)
 
-    def __call__(self, x_btd, positions_bt, mask_bts, kv=None):
-        "Returns the attention output [B,T,D] and, with `kv=(k_bkhs, v_bksh, index)` (this layer's cache), the updated (k, v)."
+    def __call__(self, x_btd, sin_cos, mask_bts, kv=None):
+        "Returns the attention output [B,T,D] and, with `kv=(k_bkhs, v_bksh, index)` (this layer's cache), the updated (k, v). `sin_cos`: `rope_sin_cos` of the positions with `self.inv_freq()`."
         c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         q_btnh = dense(x_btd, self.q_proj[...].astype(dt))
         k_btkh = dense(x_btd, self.k_proj[...].astype(dt))
@@ -241,8 +252,7 @@ class Attention(nnx.Module):
         q_btnh = constrain(q_btnh, ("batch", "length", "heads", "head_dim"))
         k_btkh = constrain(k_btkh, ("batch", "length", "kv_heads", "head_dim"))
         if c.qk_norm: q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
-        inv = self.inv_freq()
-        q_btnh, k_btkh = apply_rope(q_btnh, positions_bt, inv), apply_rope(k_btkh, positions_bt, inv)
+        q_btnh, k_btkh = rotate(q_btnh, sin_cos), rotate(k_btkh, sin_cos)
         k_bkht, v_bkth = k_btkh.transpose(0, 2, 3, 1), v_btkh.transpose(0, 2, 1, 3)
         new_kv = None
         if kv is None: k_bkhs, v_bksh = k_bkht, v_bkth
@@ -283,8 +293,8 @@ class Block(nnx.Module):
         self.mlp_norm, self.mlp = RMSNorm(cfg.d_model, **kw), MLP(cfg, rngs=rngs)
         if cfg.post_norms: self.post_attn_norm, self.post_mlp_norm = RMSNorm(cfg.d_model, **kw), RMSNorm(cfg.d_model, **kw)
 
-    def __call__(self, x_btd, positions_bt, mask_bts, kv=None):
-        h_btd, new_kv = self.attn(self.attn_norm(x_btd), positions_bt, mask_bts, kv)
+    def __call__(self, x_btd, sin_cos, mask_bts, kv=None):
+        h_btd, new_kv = self.attn(self.attn_norm(x_btd), sin_cos, mask_bts, kv)
         if self.post_norms: h_btd = self.post_attn_norm(h_btd)
         x_btd = x_btd + h_btd
         h_btd = self.mlp(self.mlp_norm(x_btd))
@@ -300,6 +310,14 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
                 v=tuple(jnp.zeros((b, k, s, h), dtype) for _ in range(cfg.num_layers)),
                 segment_ids=jnp.zeros((b, s), jnp.int32), positions=jnp.zeros((b, s), jnp.int32),
                 index=jnp.zeros((), jnp.int32))
+
+def grow_cache(cache: dict, max_len: int) -> dict:
+    "`cache` with empty slots appended up to `max_len` slots; filled slots and `index` unchanged, so attention sees the same keys."
+    pad = max_len - cache["segment_ids"].shape[1]
+    if pad < 0: raise ValueError(f"the cache already has {cache['segment_ids'].shape[1]} slots, more than max_len={max_len}")
+    widen = lambda x, axis: jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)])
+    return dict(k=tuple(widen(x, 3) for x in cache["k"]), v=tuple(widen(x, 2) for x in cache["v"]),
+                segment_ids=widen(cache["segment_ids"], 1), positions=widen(cache["positions"], 1), index=cache["index"])
 
 class Decoder(nnx.Module):
     "Decoder-only transformer for the Llama 3 / Qwen 3 / Gemma 3 families."
@@ -335,10 +353,12 @@ class Decoder(nnx.Module):
         x_btd = jnp.take(table_vd, tokens_bt, axis=0).astype(dt)
         if c.embed_scale: x_btd = x_btd * jnp.asarray(math.sqrt(c.d_model), dt)
         x_btd = constrain(x_btd, ("batch", "length", "embed"))
-        ks, vs = [], []
+        ks, vs, rope = [], [], {}       # rope: sin/cos once per forward for local and for global layers
         for i, layer in enumerate(self.layers):
+            local = c.is_local(i)
+            if local not in rope: rope[local] = rope_sin_cos(positions_bt, layer.attn.inv_freq())
             kv = None if cache is None else (cache["k"][i], cache["v"][i], index)
-            x_btd, new_kv = layer(x_btd, positions_bt, local_bts if c.is_local(i) else global_bts, kv)
+            x_btd, new_kv = layer(x_btd, rope[local], local_bts if local else global_bts, kv)
             if cache is not None: ks.append(new_kv[0]); vs.append(new_kv[1])
         if logits_range is not None: x_btd = x_btd[:, logits_range[0]:logits_range[1]]
         x_btd = self.final_norm(x_btd)
