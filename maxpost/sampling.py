@@ -10,7 +10,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from .model import init_cache, grow_cache
+from .model import Decoder, init_cache, grow_cache
+from .sharding import active_mesh, logical_spec
 from .sft_loss import token_logps
 
 # %% auto 0
@@ -191,13 +192,37 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], *, max_prompt_length: i
     return Rollout(ids, mask, c_ids, c_mask, logps, text, n_trunc)
 
 # %% ../nbs/07_sampling.ipynb
-def completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0) -> jax.Array:
-    "Teacher-forced log-probs [B,T] of `completion_ids` after left-padded prompts, under softmax(logits / temperature); 0 where masked."
+def completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0,
+                     num_generations: int = 1) -> jax.Array:
+    "Teacher-forced log-probs [B,T] of `completion_ids` after left-padded prompts, under softmax(logits / temperature); 0 where masked. With `num_generations` G > 1, rows b*G..b*G+G-1 must share a prompt (as `generate` returns them) and a `Decoder` runs each prompt once."
     P, T = prompt_ids.shape[1], completion_ids.shape[1]
-    prompt_mask = jnp.asarray(prompt_mask, jnp.int32)
-    tokens = jnp.concatenate([jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(completion_ids, jnp.int32)], 1)
-    positions = jnp.concatenate([prompt_positions(prompt_mask),
-                                 prompt_mask.sum(1, keepdims=True) + jnp.arange(T, dtype=jnp.int32)[None]], 1)
-    segment_ids = jnp.concatenate([prompt_mask, jnp.ones((tokens.shape[0], T), jnp.int32)], 1)
-    logits = model(tokens, positions, segment_ids, logits_range=(P - 1, P + T - 1))   # no logits for the prompt
-    return jnp.where(jnp.asarray(completion_mask) > 0, scaled_logps(logits, tokens[:, P:], temperature), 0.0)
+    prompt_ids, prompt_mask = jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32)
+    completion_ids = jnp.asarray(completion_ids, jnp.int32)
+    if _share_prompts(model, prompt_ids.shape[0], num_generations):
+        logits = _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, num_generations)
+    else:
+        tokens = jnp.concatenate([prompt_ids, completion_ids], 1)
+        positions = jnp.concatenate([prompt_positions(prompt_mask),
+                                     prompt_mask.sum(1, keepdims=True) + jnp.arange(T, dtype=jnp.int32)[None]], 1)
+        segment_ids = jnp.concatenate([prompt_mask, jnp.ones((tokens.shape[0], T), jnp.int32)], 1)
+        logits = model(tokens, positions, segment_ids, logits_range=(P - 1, P + T - 1))   # no logits for the prompt
+    return jnp.where(jnp.asarray(completion_mask) > 0, scaled_logps(logits, completion_ids, temperature), 0.0)
+
+def _share_prompts(model, batch: int, g: int) -> bool:
+    "Whether to run each group's prompt once: a `Decoder`, g > 1, and (under a mesh) the prompts split over devices as the rows are, so each device repeats its own groups' caches."
+    if g <= 1 or not isinstance(model, Decoder): return False
+    if batch % g: raise ValueError(f"num_generations={g} must divide the batch size {batch}")
+    mesh = active_mesh()
+    return mesh is None or logical_spec(("batch",), (batch // g,), mesh) == logical_spec(("batch",), (batch,), mesh)
+
+def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, g: int) -> jax.Array:
+    "Logits [B,T,V] predicting each completion token: each group's prompt through the model once into a cache, repeated g times, then the completions."
+    B, P, T = prompt_ids.shape[0], prompt_ids.shape[1], completion_ids.shape[1]
+    ids_u, mask_u = prompt_ids.reshape(B // g, g, P)[:, 0], prompt_mask.reshape(B // g, g, P)[:, 0]
+    last, cache = model(ids_u, prompt_positions(mask_u), mask_u, cache=init_cache(model.cfg, B // g, P + T - 1),
+                        logits_range=(P - 1, P))                      # predicts completion token 0
+    last, cache = jax.tree.map(lambda x: jnp.repeat(x, g, 0) if x.ndim else x, (last, cache))
+    if T == 1: return last
+    positions = prompt_mask.sum(1, keepdims=True) + jnp.arange(T - 1, dtype=jnp.int32)[None]
+    rest, _ = model(completion_ids[:, :-1], positions, jnp.ones_like(positions), cache=cache)
+    return jnp.concatenate([last, rest], 1)

@@ -234,3 +234,26 @@ def test_sharded_model_samples_like_unsharded(model):
         r = generate(sharded, PROMPTS, **kw)
     np.testing.assert_array_equal(r.completion_ids, ref.completion_ids)
     np.testing.assert_allclose(r.per_token_logps, ref.per_token_logps, atol=1e-4)
+
+
+@pytest.mark.parametrize("axes", [dict(), dict(data=2, fsdp=2, tensor=2)])
+def test_shared_prompt_logps_under_a_mesh(model, axes):
+    """num_generations=G runs each prompt once; under a mesh it does so only when the distinct prompts split over the
+    devices as the rows do (each device repeats its own groups' caches), and either way gives the plain path's log-probs."""
+    from maxpost.sharding import make_mesh, shard_batch
+    from maxpost.sampling import _share_prompts
+    mesh = make_mesh(**axes)
+    sharded = create_model(model.cfg, seed=0, mesh=mesh)
+    graphdef, state = nnx.split(sharded)
+    f = jax.jit(lambda st, b, g: completion_logps(nnx.merge(graphdef, st), b["prompt_ids"], b["prompt_mask"],
+                                                  b["completion_ids"], b["completion_mask"], 0.8, g), static_argnums=2)
+    for prompts, g, shared in [(PROMPTS * 2, 2, True), (PROMPTS[:2], 4, False)]:    # 8 or 2 distinct prompts
+        r = generate(model, prompts, max_prompt_length=32, max_completion_length=6, num_generations=g,
+                     temperature=0.8, seed=1)
+        b = shard_batch(dict(prompt_ids=r.prompt_ids, prompt_mask=r.prompt_mask, completion_ids=r.completion_ids,
+                             completion_mask=r.completion_mask), mesh)
+        with jax.set_mesh(mesh):
+            assert _share_prompts(sharded, len(r.prompt_ids), g) == shared
+            got, plain = np.asarray(f(state, b, g)), np.asarray(f(state, b, 1))
+        np.testing.assert_allclose(got, plain, atol=1e-5)
+        np.testing.assert_allclose(got, r.per_token_logps, atol=1e-4)
