@@ -204,15 +204,19 @@ def _attend_all(q_btnh, k_bkhs, v_bksh, mask_bts, scale: float) -> jax.Array:
     o_bkmh = _softmax_attention(q_bkmh, k_bkhs, v_bksh, mask_bts, scale, g)
     return o_bkmh.reshape(b, k, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
-def attend(q_btnh, k_bkhs, v_bksh, mask_bts, scale: float, *, block: int | None = None) -> jax.Array:
-    "Grouped-query softmax attention; keys [B,K,H,S], values [B,K,S,H]; scores and softmax in float32. Returns [B,T,N,H]."
+def attend(q_btnh, k_bkhs, v_bksh, mask_bts, scale: float, *, block: int | None = None, causal: bool = False) -> jax.Array:
+    "Grouped-query softmax attention; keys [B,K,H,S], values [B,K,S,H]; scores and softmax in float32. Returns [B,T,N,H]. `causal` (T = S) also hides the keys at a later index than their query."
     t, s = q_btnh.shape[1], v_bksh.shape[2]
+    if causal:
+        if t != s: raise ValueError(f"causal attention needs as many keys as queries, got {t} queries and {s} keys")
+        mask_bts = mask_bts & jnp.tril(jnp.ones((t, s), bool))
     block = block or max(128, t // 8)
     if t != s or t <= block: return _attend_all(q_btnh, k_bkhs, v_bksh, mask_bts, scale)
     ends = list(range(block, t, block)) + [t]                 # query block [start, end) looks at keys [0, end)
     def by_blocks(q, kk, vv, m):
         return jnp.concatenate([_attend_all(q[:, a:e], kk[..., :e], vv[:, :, :e], m[:, a:e, :e], scale)
                                 for a, e in zip([0] + ends[:-1], ends)], axis=1)
+    if causal: return by_blocks(q_btnh, k_bkhs, v_bksh, mask_bts)    # nothing ahead to check for
     block_end_t = jnp.minimum((jnp.arange(t) // block + 1) * block, t)
     sees_ahead = jnp.any(mask_bts & (jnp.arange(s)[None, None, :] >= block_end_t[None, :, None]))
     return jax.lax.cond(sees_ahead, lambda *a: _attend_all(*a, scale), by_blocks, q_btnh, k_bkhs, v_bksh, mask_bts)
@@ -263,7 +267,7 @@ class Attention(nnx.Module):
             new_kv = (k_bkhs, v_bksh)
             k_bkhs, v_bksh = k_bkhs.astype(dt), v_bksh.astype(dt)
         scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
-        o_btnh = attend(q_btnh, k_bkhs, v_bksh, mask_bts, scale)
+        o_btnh = attend(q_btnh, k_bkhs, v_bksh, mask_bts, scale, causal=kv is None)   # no cache: causal by index too
         return dense(o_btnh, self.o_proj[...].astype(dt), n_in=2), new_kv
 
 # %% ../nbs/02_model.ipynb

@@ -32,14 +32,15 @@ def sft_loss(logits_btv: jax.Array, batch: dict, *, num_loss_tokens=None, z_loss
     targets_bt = jnp.asarray(batch["tokens"])[:, 1:].astype(jnp.int32)
     w_bt = target_weights(batch)
     lse_bt = jax.nn.logsumexp(logits_btv, axis=-1)
-    logp_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0] - lse_bt
+    picked_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
+    logp_bt = picked_bt - lse_bt
     count = w_bt.sum()
     denom = jnp.maximum(count if num_loss_tokens is None else jnp.asarray(num_loss_tokens, jnp.float32), 1.0)
     keep = w_bt > 0
     nll_sum = -jnp.where(keep, w_bt * logp_bt, 0.0).sum()
     z_sum = jnp.where(keep, w_bt * jnp.square(lse_bt), 0.0).sum()
     loss = (nll_sum + z_loss * z_sum) / denom
-    correct = (jnp.argmax(logits_btv, axis=-1) == targets_bt).astype(jnp.float32)
+    correct = (picked_bt >= jnp.max(logits_btv, axis=-1)).astype(jnp.float32)   # no argmax pass (see above)
     metrics = {"loss": loss, "nll_sum": nll_sum, "z_loss_sum": z_sum,
                "num_correct": jnp.where(keep, w_bt * correct, 0.0).sum(), "num_loss_tokens": count}
     return loss, metrics
