@@ -29,7 +29,8 @@ def make_sft_step(graphdef, tx: optax.GradientTransformation, *, accum: int = 1,
     "A jitted `step(params, rest, opt_state, batch) -> (params, opt_state, metrics)`; params and opt_state are donated."
     def loss_fn(params, rest, micro, num_loss_tokens):
         model = nnx.merge(graphdef, params, rest)
-        logits = model(micro["tokens"], micro["positions"], micro["segment_ids"])
+        L = micro["tokens"].shape[1]       # the last position predicts nothing: no logits for it
+        logits = model(micro["tokens"], micro["positions"], micro["segment_ids"], logits_range=(0, L - 1))
         return sft_loss(logits, micro, num_loss_tokens=num_loss_tokens, z_loss=z_loss)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -52,7 +53,8 @@ def make_sft_step(graphdef, tx: optax.GradientTransformation, *, accum: int = 1,
 def make_eval_step(graphdef):
     "A jitted `eval_step(params, rest, batch) -> summed loss metrics`."
     def eval_step(params, rest, batch):
-        logits = nnx.merge(graphdef, params, rest)(batch["tokens"], batch["positions"], batch["segment_ids"])
+        logits = nnx.merge(graphdef, params, rest)(batch["tokens"], batch["positions"], batch["segment_ids"],
+                                                   logits_range=(0, batch["tokens"].shape[1] - 1))
         return sft_loss(logits, batch)[1]
     return jax.jit(eval_step)
 

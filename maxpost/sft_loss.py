@@ -27,9 +27,12 @@ def target_weights(batch: dict) -> jax.Array:
 # %% ../nbs/05_sft_loss.ipynb
 def sft_loss(logits_btv: jax.Array, batch: dict, *, num_loss_tokens=None, z_loss: float = 0.0
              ) -> tuple[jax.Array, dict]:
-    "Masked next-token cross-entropy (float32) normalised by `num_loss_tokens` (default: this batch's count), plus optional z-loss."
-    logits_btv = logits_btv[:, :-1].astype(jnp.float32)      # logits at t predict tokens at t+1
+    "Masked next-token cross-entropy (float32) normalised by `num_loss_tokens` (default: this batch's count), plus optional z-loss. `logits_btv`: all L positions, or the first L-1 (the last predicts nothing)."
     targets_bt = jnp.asarray(batch["tokens"])[:, 1:].astype(jnp.int32)
+    L = targets_bt.shape[1] + 1
+    if logits_btv.shape[1] not in (L, L - 1):
+        raise ValueError(f"logits cover {logits_btv.shape[1]} positions; the batch's tokens need {L} or {L - 1}")
+    logits_btv = logits_btv[:, :L - 1].astype(jnp.float32)   # logits at t predict tokens at t+1
     w_bt = target_weights(batch)
     lse_bt = jax.nn.logsumexp(logits_btv, axis=-1)
     picked_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
