@@ -192,7 +192,7 @@ def main(argv=None) -> int:
                        [("shape", "shape"), ("name", "framework"), ("s", "step s"), ("ratio", "maxpost / this"),
                         ("first", "first step s"), ("rss", "peak RSS MiB"), ("load", "load avg after"),
                         ("note", "phases (s)")])
-    common.save_results("grpo" + ("_quick" if a.quick else ""), {"runs": recs, "args": vars(a)})
+    common.save_results("grpo_quick" if a.quick else "grpo_" + "_".join(shapes), {"runs": recs, "args": vars(a)})
     return 0
 
 

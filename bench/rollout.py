@@ -191,7 +191,7 @@ def main(argv=None) -> int:
                        [("shape", "shape"), ("batch", "batch"), ("name", "engine"), ("tps", "gen tokens/s"),
                         ("s", "call s"), ("ratio", "maxpost / this"), ("first", "first call s"),
                         ("rss", "peak RSS MiB"), ("load", "load avg after"), ("note", "note")])
-    common.save_results("rollout" + ("_quick" if a.quick else ""), {"runs": recs, "args": vars(a)})
+    common.save_results("rollout_quick" if a.quick else "rollout_" + "_".join(shapes), {"runs": recs, "args": vars(a)})
     return 0
 
 
