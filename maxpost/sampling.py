@@ -133,7 +133,7 @@ def decode(model, cache, logits_bv, prompt_lengths, key, temperature, top_k, top
     for start in range(0, T, chunk):             # one loop per chunk; later chunks attend over a longer cache
         stop = min(start + chunk, T)
         if start: c["cache"] = grow_cache(c["cache"], c["cache"]["segment_ids"].shape[1] + stop - start)
-        c = jax.lax.while_loop(lambda c: (c["step"] < stop) & ~jnp.all(c["done"]), body, c)
+        c = jax.lax.while_loop(lambda c, stop=stop: (c["step"] < stop) & ~jnp.all(c["done"]), body, c)
     return c["ids"], c["mask"], c["logps"], c["step"]
 
 # %% ../nbs/07_sampling.ipynb
