@@ -16,8 +16,8 @@ from .sft_loss import token_logps
 
 # %% auto 0
 __all__ = ['bucket_length', 'left_pad', 'prompt_positions', 'filter_logits', 'draw_categorical', 'first_argmax', 'sample_token',
-           'scaled_logps', 'prefill', 'decode_chunk', 'decode', 'sample_completions', 'stop_id_array', 'Rollout',
-           'generate', 'completion_logps']
+           'scaled_logps', 'prefill', 'decode_chunk', 'decode', 'repeat_rows', 'sample_completions', 'stop_id_array',
+           'Rollout', 'generate', 'completion_logps']
 
 # %% ../nbs/07_sampling.ipynb
 def bucket_length(n: int, max_prompt_length: int, min_bucket: int = 16) -> int:
@@ -137,6 +137,10 @@ def decode(model, cache, logits_bv, prompt_lengths, key, temperature, top_k, top
     return c["ids"], c["mask"], c["logps"], c["step"]
 
 # %% ../nbs/07_sampling.ipynb
+def repeat_rows(tree, g: int):
+    "Every array in `tree` with each row repeated `g` times (row b becomes rows b*g .. b*g+g-1); scalars, such as a cache's `index`, unchanged."
+    return jax.tree.map(lambda x: jnp.repeat(x, g, 0) if x.ndim else x, tree)
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_completion_length", "chunk", "num_generations"))
 def sample_completions(graphdef, state, prompt_ids, prompt_mask, key, temperature, top_k, top_p, eos_ids, pad_id,
                        *, max_completion_length: int, chunk: int | None = None, num_generations: int = 1):
@@ -145,8 +149,7 @@ def sample_completions(graphdef, state, prompt_ids, prompt_mask, key, temperatur
     chunk = decode_chunk(max_completion_length) if chunk is None else chunk
     logits, cache = prefill(model, prompt_ids, prompt_mask, prompt_ids.shape[1] + min(chunk, max_completion_length))
     if num_generations > 1:           # one prefill per prompt; its G samples decode from copies of its cache
-        logits, cache, prompt_mask = jax.tree.map(lambda x: jnp.repeat(x, num_generations, 0) if x.ndim else x,
-                                                  (logits, cache, prompt_mask))
+        logits, cache, prompt_mask = repeat_rows((logits, cache, prompt_mask), num_generations)
     return decode(model, cache, logits, prompt_mask.sum(1), key, temperature, top_k, top_p, eos_ids, pad_id,
                   max_completion_length, chunk)
 
@@ -219,9 +222,8 @@ def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, g: int
     "Logits [B,T,V] predicting each completion token: each group's prompt through the model once into a cache, repeated g times, then the completions."
     B, P, T = prompt_ids.shape[0], prompt_ids.shape[1], completion_ids.shape[1]
     ids_u, mask_u = prompt_ids.reshape(B // g, g, P)[:, 0], prompt_mask.reshape(B // g, g, P)[:, 0]
-    last, cache = model(ids_u, prompt_positions(mask_u), mask_u, cache=init_cache(model.cfg, B // g, P + T - 1),
-                        logits_range=(P - 1, P))                      # predicts completion token 0
-    last, cache = jax.tree.map(lambda x: jnp.repeat(x, g, 0) if x.ndim else x, (last, cache))
+    last_bv, cache = repeat_rows(prefill(model, ids_u, mask_u, P + T - 1), g)   # last_bv predicts completion token 0
+    last = last_bv[:, None]
     if T == 1: return last
     positions = prompt_mask.sum(1, keepdims=True) + jnp.arange(T - 1, dtype=jnp.int32)[None]
     rest, _ = model(completion_ids[:, :-1], positions, jnp.ones_like(positions), cache=cache)
