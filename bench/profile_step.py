@@ -64,6 +64,14 @@ def op_names(dump_dir: str, module: str) -> dict[str, str]:
     return out
 
 
+def covered(spans) -> float:
+    "Length of the union of the (start, end) intervals."
+    out, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end: out += b - max(a, end); end = b
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["sft", "rollout", "rl"])
@@ -85,12 +93,17 @@ def main(argv=None) -> int:
     with jax.profiler.trace(f"{work}/trace", create_perfetto_trace=True): one()
     names = op_names(f"{work}/hlo", module)
     trace = json.load(gzip.open(glob.glob(f"{work}/trace/**/*.trace.json.gz", recursive=True)[0]))
-    total, calls = collections.Counter(), collections.Counter()
+    total, calls, spans, threads = collections.Counter(), collections.Counter(), [], set()
     for e in trace["traceEvents"]:
         if e.get("ph") == "X" and e["name"] in names:
             total[names[e["name"]]] += e["dur"]; calls[names[e["name"]]] += 1
+            spans.append((e["ts"], e["ts"] + e["dur"])); threads.add((e.get("pid"), e.get("tid")))
     all_us = sum(total.values())
-    print(f"{a.what} on {a.shape}: {wall:.3f} s a call unprofiled; {all_us / 1e6:.3f} s of XLA ops in the profiled call")
+    print(f"{a.what} on {a.shape}: {wall:.3f} s a call unprofiled; {all_us / 1e6:.3f} s of XLA ops in the profiled call, "
+          f"on {len(threads)} threads, covering {covered(spans) / 1e6:.3f} s of it")
+    if len(threads) > 1:   # XLA's CPU runtime runs independent ops at the same time: their times overlap
+        print("ops ran concurrently: an op's time includes waiting for the cores its neighbours used, so small ops "
+              "next to large products look slower than they are alone")
     print("| ms | share | calls | operation and output shape |\n|---|---|---|---|")
     for k, us in total.most_common(a.top):
         print(f"| {us / 1e3:.1f} | {100 * us / all_us:.1f}% | {calls[k]} | `{k[:120]}` |")
