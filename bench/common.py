@@ -181,6 +181,45 @@ def run_worker(script: str, args: list[str], *, python: str = PY, extra_path: st
     return {"error": f"exit {p.returncode}", "log_tail": tail, "cmd": " ".join(args)}
 
 
+def run_rounds(launch: dict, rounds: int) -> dict[str, list[dict]]:
+    """Run every worker of `launch` (name -> zero-argument function returning its record) once per round, the
+    workers interleaved (round 1: a, b, c; round 2: a, b, c; ...), so that a machine that slows down or speeds up
+    during the run (a shared host) touches every framework alike. Records of each worker, in round order."""
+    out = {name: [] for name in launch}
+    for r in range(rounds):
+        for name, fn in launch.items():
+            rec = fn(); out[name].append(rec)
+            brief = {k: v for k, v in rec.items() if k not in ("times", "batches", "log_tail", "phases")}
+            print(f"round {r + 1}/{rounds}", name, brief, flush=True)
+            if "log_tail" in rec: print("\n".join(rec["log_tail"]), flush=True)
+    return out
+
+
+def merge_rounds(recs: list[dict], keys: list[str]) -> dict:
+    """One record from a worker's records of several rounds: each of `keys` is the median over the rounds that
+    succeeded, anything else comes from the first of them; `rounds` keeps every round's values of `keys`. An error
+    record if no round succeeded."""
+    ok = [r for r in recs if "error" not in r]
+    if not ok: return recs[0]
+    out = dict(ok[0])
+    for k in keys:
+        vals = [r[k] for r in ok if k in r]
+        if vals: out[k] = median(vals)
+    out["rounds"] = [{k: r.get(k) for k in keys} for r in ok]
+    return out
+
+
+def paired_ratios(mine: list[dict], theirs: list[dict], key: str) -> list[float]:
+    "mine / theirs of `key` within each round (same position in both lists), over the rounds where both succeeded."
+    return [a[key] / b[key] for a, b in zip(mine, theirs)
+            if "error" not in a and "error" not in b and key in a and key in b]
+
+
+def spread(xs: list[float]) -> str:
+    "'lo-hi' of a list of ratios, '' for fewer than two."
+    return f"{min(xs):.2f}-{max(xs):.2f}" if len(xs) > 1 else ""
+
+
 def print_table(title: str, rows: list[dict], cols: list[tuple[str, str]]) -> str:
     "A GitHub-markdown table of `rows` over `cols` = [(key, header)]; also printed."
     head = "| " + " | ".join(h for _, h in cols) + " |\n|" + "|".join(" --- " for _ in cols) + "|\n"

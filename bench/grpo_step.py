@@ -10,6 +10,7 @@ the learner pulls the next batch), after warmup steps that include compilation.
 
     python bench/grpo_step.py                     # tiny and 20m shapes, T 64
     python bench/grpo_step.py --quick             # tiny shape, T 16
+    python bench/grpo_step.py --shapes 20m --rounds 3   # every framework three times, interleaved (noisy machines)
     python bench/grpo_step.py --worker maxpost --shape tiny --new 64 --warmup 2 --reps 3
 """
 from __future__ import annotations
@@ -163,6 +164,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int)
     ap.add_argument("--peers", nargs="*", default=["trl", "tunix"])
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of all workers (noisy machines)")
     a = ap.parse_args(argv)
     a.new = a.new or (16 if a.quick else 64)
     a.reps = a.reps or (2 if a.quick else 3)
@@ -174,24 +176,25 @@ def main(argv=None) -> int:
     for shape in shapes:
         base = ["--shape", shape, "--prompts", str(a.prompts), "--G", str(a.G), "--prompt", str(a.prompt),
                 "--new", str(a.new), "--warmup", str(a.warmup), "--reps", str(a.reps)]
-        res = {}
-        for name in ["maxpost", *a.peers]:
-            res[name] = common.run_worker("grpo_step.py", ["--worker", name, *base], timeout=1500,
-                                          extra_path=common.TRL_SITE if name == "trl" else None)
-            print(shape, name, {k: v for k, v in res[name].items() if k != "times"}, flush=True)
-        recs[shape] = res
-        mp = res["maxpost"].get("median_step_s", float("nan"))
+        launch = {name: (lambda name=name: common.run_worker("grpo_step.py", ["--worker", name, *base], timeout=1500,
+                                                             extra_path=common.TRL_SITE if name == "trl" else None))
+                  for name in ["maxpost", *a.peers]}
+        per_round = common.run_rounds(launch, a.rounds)
+        res = {name: common.merge_rounds(rs, ["median_step_s", "first_step_s", "peak_rss_mb"])
+               for name, rs in per_round.items()}
+        recs[shape] = {"merged": res, "rounds": per_round}
         for name, r in res.items():
             if "error" in r: rows.append({"shape": shape, "name": name, "note": r["error"]}); continue
-            ph = r.get("phases", {})
-            rows.append({"shape": shape, "name": name, "s": r["median_step_s"], "ratio": mp / r["median_step_s"],
-                         "first": r["first_step_s"], "rss": r["peak_rss_mb"], "load": r["load_avg_after"],
-                         "note": ", ".join(f"{k} {v:.2f}" for k, v in ph.items())})
+            ratios = common.paired_ratios(per_round["maxpost"], per_round[name], "median_step_s")
+            ph = r.get("phases", {})   # maxpost's phases: from its first successful round
+            rows.append({"shape": shape, "name": name, "s": r["median_step_s"], "ratio": common.median(ratios),
+                         "range": common.spread(ratios), "first": r["first_step_s"], "rss": r["peak_rss_mb"],
+                         "load": r["load_avg_after"], "note": ", ".join(f"{k} {v:.2f}" for k, v in ph.items())})
     common.print_table(f"GRPO step: {a.prompts} prompts x G={a.G}, prompt {a.prompt}, {a.new} new tokens, beta {BETA} "
-                       f"(median of {a.reps})", rows,
+                       f"(median of {a.reps} steps; {a.rounds} interleaved round(s), medians over rounds)", rows,
                        [("shape", "shape"), ("name", "framework"), ("s", "step s"), ("ratio", "maxpost / this"),
-                        ("first", "first step s"), ("rss", "peak RSS MiB"), ("load", "load avg after"),
-                        ("note", "phases (s)")])
+                        ("range", "per-round range"), ("first", "first step s"), ("rss", "peak RSS MiB"),
+                        ("load", "load avg after"), ("note", "phases (s)")])
     common.save_results("grpo_quick" if a.quick else "grpo_" + "_".join(shapes), {"runs": recs, "args": vars(a)})
     return 0
 

@@ -7,6 +7,7 @@ maxpost, Tunix and vLLM also return each sampled token's log-prob (what RL needs
 Timed: one whole call from prompt ids to host-side completion ids, after one warmup call (compilation / graph capture).
 
     python bench/rollout.py                       # tiny and 20m shapes, batch 1 16 64, P 32, T 128
+    python bench/rollout.py --shapes 20m --rounds 3   # every engine three times, interleaved (noisy machines)
     python bench/rollout.py --quick               # tiny shape, batch 1 16, T 32
     python bench/rollout.py --worker maxpost --shape 20m --batch 64 --prompt 32 --new 128 --reps 3
 """
@@ -153,6 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-reps", dest="hf_reps", type=int, default=1, help="timed calls of transformers (slow)")
     ap.add_argument("--engines", nargs="*", default=["maxpost", "tunix", "vllm", "hf"])
     ap.add_argument("--model-dir", dest="model_dir")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of all engines (noisy machines)")
     a = ap.parse_args(argv)
     a.new = a.new or (32 if a.quick else 128)
     a.reps = a.reps or (2 if a.quick else 3)
@@ -168,29 +170,34 @@ def main(argv=None) -> int:
         mdir = vllm_model_dir(shape) if vllm_ok else None
         base = ["--shape", shape, "--batches", *map(str, batches), "--prompt", str(a.prompt), "--new", str(a.new),
                 "--warmup", str(a.warmup), "--reps", str(a.reps), "--hf-reps", str(a.hf_reps)]
-        res = {}
-        for eng in a.engines:
+        def launch(eng):
             if eng == "vllm":
-                if not vllm_ok: continue
-                res[eng] = common.run_worker("rollout.py", ["--worker", eng, *base, "--model-dir", str(mdir)],
-                                             python=common.VLLM_PY, timeout=1200, own_threads=True)
-            else: res[eng] = common.run_worker("rollout.py", ["--worker", eng, *base], timeout=1200)
-            print(shape, eng, {k: v for k, v in res[eng].items() if k not in ("batches", "log_tail")}, flush=True)
-            if "log_tail" in res[eng]: print("\n".join(res[eng]["log_tail"]), flush=True)
-            recs.append(res[eng])
+                return common.run_worker("rollout.py", ["--worker", eng, *base, "--model-dir", str(mdir)],
+                                         python=common.VLLM_PY, timeout=1200, own_threads=True)
+            return common.run_worker("rollout.py", ["--worker", eng, *base], timeout=1200)
+        engines = [e for e in a.engines if e != "vllm" or vllm_ok]
+        per_round = common.run_rounds({eng: (lambda eng=eng: launch(eng)) for eng in engines}, a.rounds)
+        recs.append({"shape": shape, "rounds": per_round})
         for b in batches:
-            mp = res.get("maxpost", {}).get("batches", {}).get(str(b), {}).get("tokens_per_s", float("nan"))
-            for eng, r in res.items():
-                if "error" in r: rows.append({"shape": shape, "batch": b, "name": eng, "note": r["error"]}); continue
-                rb = r["batches"][str(b)]
-                rss = max(r["peak_rss_mb"], rb["rss_now_tree_mb"]) if eng == "vllm" else r["peak_rss_mb"]
+            by_round = {eng: [r["batches"][str(b)] if "error" not in r else r for r in rs]
+                        for eng, rs in per_round.items()}
+            for eng, rs in by_round.items():
+                first_ok = next((r for r in per_round[eng] if "error" not in r), None)
+                if first_ok is None:
+                    rows.append({"shape": shape, "batch": b, "name": eng, "note": per_round[eng][0]["error"]}); continue
+                rb = common.merge_rounds(rs, ["tokens_per_s", "median_s", "first_call_s"])
+                ratios = common.paired_ratios(by_round.get("maxpost", []), rs, "tokens_per_s")
+                peak = max(r["peak_rss_mb"] for r in per_round[eng] if "error" not in r)
+                rss = max(peak, rb["rss_now_tree_mb"]) if eng == "vllm" else peak
                 rows.append({"shape": shape, "batch": b, "name": eng, "tps": rb["tokens_per_s"], "s": rb["median_s"],
-                             "ratio": mp / rb["tokens_per_s"], "first": rb["first_call_s"], "rss": rss,
-                             "load": r["load_avg_after"]})
-    common.print_table(f"Rollout, prompt {a.prompt}, {a.new} new tokens, temperature 1 (median of {a.reps})", rows,
+                             "ratio": common.median(ratios), "range": common.spread(ratios),
+                             "first": rb["first_call_s"], "rss": rss, "load": first_ok["load_avg_after"]})
+    common.print_table(f"Rollout, prompt {a.prompt}, {a.new} new tokens, temperature 1 (median of {a.reps} calls; "
+                       f"{a.rounds} interleaved round(s), medians over rounds)", rows,
                        [("shape", "shape"), ("batch", "batch"), ("name", "engine"), ("tps", "gen tokens/s"),
-                        ("s", "call s"), ("ratio", "maxpost / this"), ("first", "first call s"),
-                        ("rss", "peak RSS MiB"), ("load", "load avg after"), ("note", "note")])
+                        ("s", "call s"), ("ratio", "maxpost / this"), ("range", "per-round range"),
+                        ("first", "first call s"), ("rss", "peak RSS MiB"), ("load", "load avg after"),
+                        ("note", "note")])
     common.save_results("rollout_quick" if a.quick else "rollout_" + "_".join(shapes), {"runs": recs, "args": vars(a)})
     return 0
 

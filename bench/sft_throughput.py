@@ -7,6 +7,7 @@ TRL's step callbacks), after warmup steps that include compilation. Reported: me
 MFU against the measured JAX fp32 matmul peak (bench/matmul_peak.py, run first in the same driver).
 
     python bench/sft_throughput.py                  # 20m shape, seq 512, batch 8
+    python bench/sft_throughput.py --rounds 3       # all three frameworks three times, interleaved (noisy machines)
     python bench/sft_throughput.py --quick          # tiny shape, seq 128, batch 4: a smoke run in ~1 minute
     python bench/sft_throughput.py --worker maxpost --shape 20m --seq 512 --batch 8 --warmup 2 --reps 5
 """
@@ -123,6 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--reps", type=int)
     ap.add_argument("--peers", nargs="*", default=["tunix", "trl"])
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of all workers (noisy machines)")
     a = ap.parse_args(argv)
     a.shape = a.shape or ("tiny" if a.quick else "20m")
     a.seq = a.seq or (128 if a.quick else 512)
@@ -137,24 +139,26 @@ def main(argv=None) -> int:
     print(f"JAX fp32 matmul peak: {peak_gflops:.1f} GFLOP/s", flush=True)
     args = ["--shape", a.shape, "--seq", str(a.seq), "--batch", str(a.batch), "--warmup", str(a.warmup),
             "--reps", str(a.reps)]
-    recs = {}
-    for name in ["maxpost", *a.peers]:
-        recs[name] = common.run_worker("sft_throughput.py", ["--worker", name, *args],
-                                       extra_path=common.TRL_SITE if name == "trl" else None)
-        print(name, {k: v for k, v in recs[name].items() if k != "times"}, flush=True)
-    mp = recs["maxpost"].get("tokens_per_s", float("nan"))
+    launch = {name: (lambda name=name: common.run_worker("sft_throughput.py", ["--worker", name, *args],
+                                                         extra_path=common.TRL_SITE if name == "trl" else None))
+              for name in ["maxpost", *a.peers]}
+    per_round = common.run_rounds(launch, a.rounds)
+    keys = ["median_step_s", "tokens_per_s", "gflops", "first_step_s", "peak_rss_mb"]
+    recs = {name: common.merge_rounds(rs, keys) for name, rs in per_round.items()}
     rows = []
     for name, r in recs.items():
         if "error" in r: rows.append({"name": name, "note": r["error"]}); continue
+        ratios = common.paired_ratios(per_round["maxpost"], per_round[name], "tokens_per_s")
         rows.append({"name": name, "params": f"{r['params'] / 1e6:.2f}M", "step": r["median_step_s"],
                      "tps": r["tokens_per_s"], "mfu": f"{100 * r['gflops'] / peak_gflops:.0f}%",
-                     "ratio": mp / r["tokens_per_s"], "first": r["first_step_s"], "rss": r["peak_rss_mb"],
-                     "load": r["load_avg_after"]})
-    common.print_table(f"SFT step, shape {a.shape}, seq {a.seq}, batch {a.batch} (median of {a.reps})", rows,
+                     "ratio": common.median(ratios), "range": common.spread(ratios), "first": r["first_step_s"],
+                     "rss": r["peak_rss_mb"], "load": r["load_avg_after"]})
+    common.print_table(f"SFT step, shape {a.shape}, seq {a.seq}, batch {a.batch} (median of {a.reps} steps; "
+                       f"{a.rounds} interleaved round(s), medians over rounds)", rows,
                        [("name", "framework"), ("params", "params"), ("step", "step s"), ("tps", "tokens/s"),
-                        ("mfu", "MFU vs matmul peak"), ("ratio", "maxpost / this"), ("first", "first step s"),
-                        ("rss", "peak RSS MiB"), ("load", "load avg after")])
-    common.save_results(f"sft_{a.shape}", {"peak": peak, "runs": recs, "args": vars(a)})
+                        ("mfu", "MFU vs matmul peak"), ("ratio", "maxpost / this"), ("range", "per-round range"),
+                        ("first", "first step s"), ("rss", "peak RSS MiB"), ("load", "load avg after")])
+    common.save_results(f"sft_{a.shape}", {"peak": peak, "runs": recs, "rounds": per_round, "args": vars(a)})
     return 0
 
 
