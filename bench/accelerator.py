@@ -2,11 +2,11 @@
 
 One process, one script (a GPU lease here is a few minutes, compile included): JAX's bf16 matmul peak measured on the
 chip, one SFT train step (`make_sft_step`: fp32 parameters and AdamW state, bf16 compute, global-norm clipping,
-random full batch), then `generate` at each batch size (P prompt tokens, T new tokens, temperature 1, EOS disabled),
-and with `--hf` transformers' `generate` on the same chip in bf16 (torch, sdpa attention) as the peer. MFU of the
-SFT step is given against both the spec peak (`maxpost.train.PEAK_BF16_FLOPS`) and the measured matmul peak; for
-decoding, which reads every weight once a step, the table gives the fraction of the chip's memory bandwidth that the
-bf16 weights alone would take (`--hbm-tbs`).
+random full batch), then `generate` with bf16 weights at each batch size (P prompt tokens, T new tokens, temperature
+1, EOS disabled), and with `--hf` transformers' `generate` on the same chip in bf16 (torch, sdpa attention) as the
+peer. MFU of the SFT step is given against both the spec peak (`maxpost.train.PEAK_BF16_FLOPS`) and the measured
+matmul peak; for decoding, which reads every weight once a step, the table gives the fraction of the chip's memory
+bandwidth that the bf16 weights alone would take (`--hbm-tbs`).
 
 Prints markdown tables and writes `bench/results/accelerator_<preset>.json` (a copy under $OUT when it is set).
 
@@ -15,7 +15,7 @@ Prints markdown tables and writes `bench/results/accelerator_<preset>.json` (a c
     python bench/accelerator.py --quick --hf                   # tiny preset on CPU: the same code paths in ~1 minute
 """
 from __future__ import annotations
-import argparse, json, os, shutil, sys, time
+import argparse, dataclasses, json, os, shutil, sys, time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
@@ -77,8 +77,9 @@ def rollout_rows(mcfg, a) -> list[dict]:
     import jax
     from maxpost.model import create_model, num_params
     from maxpost.sampling import generate
+    mcfg = dataclasses.replace(mcfg, param_dtype="bfloat16")   # weights in bf16, as a serving engine keeps them
     model = create_model(mcfg, seed=0)
-    weight_bytes = num_params(mcfg) * 2     # bf16 copy of every weight, read once a decode step
+    weight_bytes = num_params(mcfg) * 2     # every bf16 weight, read once a decode step
     rows, seed = [], iter(range(10**6))
     for b in a.batches:
         prompts = common.prompt_ids(b, a.prompt, mcfg.vocab_size, seed=1)
