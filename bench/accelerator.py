@@ -40,21 +40,9 @@ def matmul_peak(n: int, reps: int) -> float:
 
 
 def sft_row(mcfg, a) -> dict:
-    import jax, optax
-    from flax import nnx
-    from maxpost.model import create_model, num_params
-    from maxpost.sft import make_sft_step
+    from maxpost.model import num_params
     from maxpost.train import flops_per_token, device_peak_flops
-    model = create_model(mcfg, seed=0)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx = optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(LR, weight_decay=0.0))
-    opt_state = tx.init(params)
-    step = make_sft_step(graphdef, tx, accum=1)
-    batch = {k: jax.device_put(v) for k, v in common.sft_batch(a.batch, a.seq, mcfg.vocab_size).items()}
-    state = {"p": params, "o": opt_state}
-    def one():
-        state["p"], state["o"], m = step(state["p"], rest, state["o"], batch)
-        return m
+    one = common.maxpost_sft_step(mcfg, a.batch, a.seq, LR, CLIP)
     t0 = time.perf_counter(); sync(one()); first = time.perf_counter() - t0
     times, m = common.timed(one, warmup=1, reps=a.reps, sync=sync)
     s = common.median(times); tok = a.batch * a.seq

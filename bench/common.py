@@ -85,6 +85,24 @@ def sft_batch(batch: int, seq: int, vocab: int, seed: int = 0) -> dict:
                 loss_mask=ones)
 
 
+def maxpost_sft_step(cfg, batch: int, seq: int, lr: float = 1e-5, clip: float = 1.0):
+    """maxpost's SFT train step (`make_sft_step`, AdamW after global-norm clipping, no weight decay) on a random full
+    batch of model config `cfg`: a zero-argument function running one step and returning its metrics (not synced)."""
+    import jax, optax
+    from flax import nnx
+    from maxpost.model import create_model
+    from maxpost.sft import make_sft_step
+    graphdef, params, rest = nnx.split(create_model(cfg, seed=0), nnx.Param, ...)
+    tx = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(lr, weight_decay=0.0))
+    step = make_sft_step(graphdef, tx, accum=1)
+    data = {k: jax.device_put(v) for k, v in sft_batch(batch, seq, cfg.vocab_size).items()}
+    state = {"p": params, "o": tx.init(params)}
+    def one():
+        state["p"], state["o"], m = step(state["p"], rest, state["o"], data)
+        return m
+    return one
+
+
 def id_tokenizer(vocab: int, directory: str | Path | None = None, *, bos: bool = True):
     "A Hugging Face fast tokenizer whose token i >= 3 is the word str(i) ('5 17 9' -> [5, 17, 9]); 0-2: pad, bos, eos."
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders

@@ -21,21 +21,10 @@ LR, CLIP = 1e-5, 1.0
 
 
 def run_maxpost(a) -> dict:
-    import jax, optax
-    from flax import nnx
-    from maxpost.model import create_model, num_params
-    from maxpost.sft import make_sft_step
+    import jax
+    from maxpost.model import num_params
     cfg = common.maxpost_config(a.shape)
-    model = create_model(cfg, seed=0)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx = optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(LR, weight_decay=0.0))
-    opt_state = tx.init(params)
-    step = make_sft_step(graphdef, tx, accum=1)
-    batch = {k: jax.device_put(v) for k, v in common.sft_batch(a.batch, a.seq, cfg.vocab_size).items()}
-    state = {"p": params, "o": opt_state}
-    def one():
-        state["p"], state["o"], m = step(state["p"], rest, state["o"], batch)
-        return m
+    one = common.maxpost_sft_step(cfg, a.batch, a.seq, LR, CLIP)
     t0 = time.perf_counter(); jax.block_until_ready(one()); first = time.perf_counter() - t0
     times, m = common.timed(one, warmup=a.warmup - 1, reps=a.reps, sync=jax.block_until_ready)
     return {"times": times, "first_step_s": first, "loss": float(m["loss"]), "params": num_params(cfg)}
