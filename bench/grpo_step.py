@@ -186,7 +186,8 @@ def main(argv=None) -> int:
         for name, r in res.items():
             if "error" in r: rows.append({"shape": shape, "name": name, "note": r["error"]}); continue
             ratios = common.paired_ratios(per_round["maxpost"], per_round[name], "median_step_s")
-            ph = r.get("phases", {})   # maxpost's phases: from its first successful round
+            ok = [x["phases"] for x in per_round[name] if "phases" in x]   # maxpost's phases, medians over rounds
+            ph = {k: common.median([x[k] for x in ok]) for k in (ok[0] if ok else {})}
             rows.append({"shape": shape, "name": name, "s": r["median_step_s"], "ratio": common.median(ratios),
                          "range": common.spread(ratios), "first": r["first_step_s"], "rss": r["peak_rss_mb"],
                          "load": r["load_avg_after"], "note": ", ".join(f"{k} {v:.2f}" for k, v in ph.items())})
