@@ -30,7 +30,7 @@ def sync(x):
 
 
 def matmul_peak(n: int, reps: int) -> float:
-    "bf16 `x @ y` FLOP/s at n x n x n, best of the timed reps' medians (random data)."
+    "bf16 `x @ y` FLOP/s at n x n x n: the median of the timed products (random data)."
     import jax, jax.numpy as jnp
     kx, ky = jax.random.split(jax.random.key(0))
     x = jax.random.normal(kx, (n, n), jnp.bfloat16); y = jax.random.normal(ky, (n, n), jnp.bfloat16)
@@ -62,7 +62,6 @@ def device_mem_gb():
 
 
 def rollout_rows(mcfg, a) -> list[dict]:
-    import jax
     from maxpost.model import create_model, num_params
     from maxpost.sampling import generate
     mcfg = dataclasses.replace(mcfg, param_dtype="bfloat16")   # weights in bf16, as a serving engine keeps them
