@@ -74,11 +74,10 @@ def rollout_rows(mcfg, a) -> list[dict]:
             r = generate(model, prompts, max_prompt_length=a.prompt, max_completion_length=a.new, temperature=1.0,
                          eos_ids=(), seed=next(seed))
             return int(r.completion_mask.sum())
-        t0 = time.perf_counter(); n = one(); first = time.perf_counter() - t0
-        times, n = common.timed(one, warmup=0, reps=a.reps, sync=lambda x: x)
-        s = common.median(times)
-        rows.append({"what": "maxpost generate", "batch": b, "call_s": s, "first_s": first, "tokens_per_s": n / s,
-                     "ms_per_step": 1e3 * s / a.new, "hbm_frac": weight_bytes * a.new / s / (a.hbm_tbs * 1e12)})
+        t = common.time_calls(one, warmup=0, reps=a.reps); s = t["median_s"]
+        rows.append({"what": "maxpost generate", "batch": b, "call_s": s, "first_s": t["first_call_s"],
+                     "tokens_per_s": t["tokens_per_s"], "ms_per_step": 1e3 * s / a.new,
+                     "hbm_frac": weight_bytes * a.new / s / (a.hbm_tbs * 1e12)})
     return rows
 
 
@@ -104,11 +103,9 @@ def hf_rows(mcfg, a) -> list[dict]:
                                      pad_token_id=0, eos_token_id=None)
             if dev == "cuda": torch.cuda.synchronize()
             return int(out.shape[0] * (out.shape[1] - ids.shape[1]))
-        t0 = time.perf_counter(); one(); first = time.perf_counter() - t0
-        times, n = common.timed(one, warmup=0, reps=a.reps, sync=lambda x: x)
-        s = common.median(times)
-        rows.append({"what": "transformers generate", "batch": b, "call_s": s, "first_s": first,
-                     "tokens_per_s": n / s, "ms_per_step": 1e3 * s / a.new})
+        t = common.time_calls(one, warmup=0, reps=a.reps)
+        rows.append({"what": "transformers generate", "batch": b, "call_s": t["median_s"], "first_s": t["first_call_s"],
+                     "tokens_per_s": t["tokens_per_s"], "ms_per_step": 1e3 * t["median_s"] / a.new})
     return rows
 
 

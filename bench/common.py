@@ -160,6 +160,14 @@ def timed(fn, *, warmup: int, reps: int, sync=lambda out: out) -> tuple[list[flo
     return times, out
 
 
+def time_calls(one, *, warmup: int, reps: int) -> dict:
+    "Time `one()` (returns the number of tokens it made): its first call, then `reps` timed calls after `warmup`."
+    t0 = time.perf_counter(); one(); first = time.perf_counter() - t0
+    times, n = timed(one, warmup=warmup, reps=reps)
+    med = median(times)
+    return {"times": times, "first_call_s": first, "tokens": n, "median_s": med, "tokens_per_s": n / med}
+
+
 def emit(record: dict) -> None:
     "A worker's result: one JSON line, tagged so the driver can find it among library logs."
     record.setdefault("peak_rss_mb", round(peak_rss_mb(), 1))

@@ -12,7 +12,7 @@ Timed: one whole call from prompt ids to host-side completion ids, after one war
     python bench/rollout.py --worker maxpost --shape 20m --batch 64 --prompt 32 --new 128 --reps 3
 """
 from __future__ import annotations
-import argparse, os, sys, time
+import argparse, os, sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
@@ -118,11 +118,8 @@ def run_vllm(a, prompts) -> dict:
 
 
 def _time(a, one) -> dict:
-    t0 = time.perf_counter(); one(); first = time.perf_counter() - t0
     warmup, reps = (0, a.hf_reps) if a.worker == "hf" else (a.warmup - 1, a.reps)   # eager torch: nothing to compile
-    times, n = common.timed(one, warmup=warmup, reps=reps)
-    med = common.median(times)
-    return {"times": times, "first_call_s": first, "tokens": n, "median_s": med, "tokens_per_s": n / med}
+    return common.time_calls(one, warmup=warmup, reps=reps)
 
 
 WORKERS = {"maxpost": run_maxpost, "tunix": run_tunix, "vllm": run_vllm, "hf": run_hf}
