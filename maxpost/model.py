@@ -13,8 +13,8 @@ from .sharding import constrain, create_sharded
 
 # %% auto 0
 __all__ = ['FAMILIES', 'PRESETS', 'ModelConfig', 'get_model_config', 'RMSNorm', 'rope_frequencies', 'rope_sin_cos', 'rotate',
-           'apply_rope', 'attention_mask', 'attend', 'dense', 'Attention', 'MLP', 'Block', 'init_cache', 'grow_cache',
-           'Decoder', 'create_model', 'num_params', 'TunixPolicy']
+           'apply_rope', 'attention_mask', 'attend', 'attend_step', 'dense', 'Attention', 'MLP', 'Block', 'init_cache',
+           'grow_cache', 'Decoder', 'create_model', 'num_params', 'TunixPolicy']
 
 # %% ../nbs/02_model.ipynb
 FAMILIES = ("llama", "qwen3", "gemma3")
@@ -222,6 +222,25 @@ def attend(q_btnh, k_bkhs, v_bksh, mask_bts, scale: float, *, block: int | None 
     return jax.lax.cond(sees_ahead, lambda *a: _attend_all(*a, scale), by_blocks, q_btnh, k_bkhs, v_bksh, mask_bts)
 
 # %% ../nbs/02_model.ipynb
+def attend_step(q_b1nh, k_bkhs, v_bksh, k_bkh1, v_bk1h, mask_b1s, index, scale: float) -> jax.Array:
+    "One decode step (T = 1): attention over the cache before this step's write (`k_bkhs`, `v_bksh`; slot `index` empty) plus the step's own key `k_bkh1` and value `v_bk1h`. `mask_b1s`: the mask over the written cache. Returns [B,1,N,H], as `attend` over the written cache."
+    b, _, n, h = q_b1nh.shape
+    k = v_bksh.shape[1]
+    q_bkgh = q_b1nh.reshape(b, k, n // k, h)
+    old_bs = mask_b1s[:, 0] & (jnp.arange(k_bkhs.shape[-1]) != index)[None]     # the slot being written is empty
+    new_b = jax.lax.dynamic_index_in_dim(mask_b1s[:, 0], index, axis=1, keepdims=False)
+    s_bkgs = jnp.einsum("bkgh,bkhs->bkgs", q_bkgh, k_bkhs, preferred_element_type=jnp.float32) * scale
+    s_bkg1 = jnp.einsum("bkgh,bkh->bkg", q_bkgh, k_bkh1[..., 0], preferred_element_type=jnp.float32)[..., None] * scale
+    s_bkgs = jnp.where(old_bs[:, None, None], s_bkgs, -1e30)
+    s_bkg1 = jnp.where(new_b[:, None, None, None], s_bkg1, -1e30)
+    top = jnp.maximum(s_bkgs.max(-1, keepdims=True), s_bkg1)
+    p_bkgs, p_bkg1 = jnp.exp(s_bkgs - top), jnp.exp(s_bkg1 - top)
+    o_bkgh = jnp.einsum("bkgs,bksh->bkgh", p_bkgs.astype(v_bksh.dtype), v_bksh) + p_bkg1 * v_bk1h[:, :, :1]
+    o_bkgh = o_bkgh / (p_bkgs.sum(-1, keepdims=True) + p_bkg1)
+    return o_bkgh.astype(q_b1nh.dtype).reshape(b, 1, n, h)
+
+
+# %% ../nbs/02_model.ipynb
 def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     "Contract the last `n_in` axes of `x` with the first `n_in` axes of `w` as one 2-D matmul over all leading axes of `x`."
     lead, out = x.shape[:x.ndim - n_in], w.shape[n_in:]
@@ -267,7 +286,9 @@ class Attention(nnx.Module):
             new_kv = (k_bkhs, v_bksh)
             k_bkhs, v_bksh = k_bkhs.astype(dt), v_bksh.astype(dt)
         scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
-        o_btnh = attend(q_btnh, k_bkhs, v_bksh, mask_bts, scale, causal=kv is None)   # no cache: causal by index too
+        if kv is not None and q_btnh.shape[1] == 1 and c.num_kv_heads == 1:   # see `attend_step`
+            o_btnh = attend_step(q_btnh, kv[0].astype(dt), kv[1].astype(dt), k_bkht, v_bkth, mask_bts, kv[2], scale)
+        else: o_btnh = attend(q_btnh, k_bkhs, v_bksh, mask_bts, scale, causal=kv is None)   # no cache: causal by index too
         return dense(o_btnh, self.o_proj[...].astype(dt), n_in=2), new_kv
 
 # %% ../nbs/02_model.ipynb
