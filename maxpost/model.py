@@ -13,8 +13,8 @@ from .sharding import constrain, create_sharded
 
 # %% auto 0
 __all__ = ['FAMILIES', 'PRESETS', 'ModelConfig', 'get_model_config', 'RMSNorm', 'rope_frequencies', 'rope_sin_cos', 'rotate',
-           'apply_rope', 'attention_mask', 'attend', 'attend_step', 'dense', 'Attention', 'MLP', 'Block', 'init_cache',
-           'grow_cache', 'Decoder', 'create_model', 'num_params', 'TunixPolicy']
+           'apply_rope', 'attention_mask', 'attend', 'attend_step', 'after', 'dense', 'Attention', 'MLP', 'Block',
+           'init_cache', 'grow_cache', 'Decoder', 'create_model', 'num_params', 'TunixPolicy']
 
 # %% ../nbs/02_model.ipynb
 FAMILIES = ("llama", "qwen3", "gemma3")
@@ -239,6 +239,12 @@ def attend_step(q_b1nh, k_bkhs, v_bksh, k_bkh1, v_bk1h, mask_b1s, index, scale: 
     o_bkgh = o_bkgh / (p_bkgs.sum(-1, keepdims=True) + p_bkg1)
     return o_bkgh.astype(q_b1nh.dtype).reshape(b, 1, n, h)
 
+def after(x: jax.Array, *ys: jax.Array) -> tuple:
+    "`ys` unchanged, but computed from `x`, so XLA must finish `x` first: row b of each `y` gets an exact zero made from the first element of row b of `x` (a batch-sharded `x` needs no communication)."
+    x_b = x.reshape(x.shape[0], -1)[:, 0].astype(jnp.float32)
+    zero_b = jnp.where(jnp.isfinite(x_b), x_b, 0.0) * 0.0
+    return tuple(y + zero_b.reshape(-1, *[1] * (y.ndim - 1)).astype(y.dtype) for y in ys)
+
 
 # %% ../nbs/02_model.ipynb
 def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
@@ -277,19 +283,19 @@ class Attention(nnx.Module):
         if c.qk_norm: q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
         q_btnh, k_btkh = rotate(q_btnh, sin_cos), rotate(k_btkh, sin_cos)
         k_bkht, v_bkth = k_btkh.transpose(0, 2, 3, 1), v_btkh.transpose(0, 2, 1, 3)
-        new_kv = None
-        if kv is None: k_bkhs, v_bksh = k_bkht, v_bkth
-        else:
-            k_cache, v_cache, index = kv
-            k_bkhs = jax.lax.dynamic_update_slice(k_cache, k_bkht.astype(k_cache.dtype), (0, 0, 0, index))
-            v_bksh = jax.lax.dynamic_update_slice(v_cache, v_bkth.astype(v_cache.dtype), (0, 0, index, 0))
-            new_kv = (k_bkhs, v_bksh)
-            k_bkhs, v_bksh = k_bkhs.astype(dt), v_bksh.astype(dt)
         scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
-        if kv is not None and q_btnh.shape[1] == 1 and c.num_kv_heads == 1:   # see `attend_step`
-            o_btnh = attend_step(q_btnh, kv[0].astype(dt), kv[1].astype(dt), k_bkht, v_bkth, mask_bts, kv[2], scale)
-        else: o_btnh = attend(q_btnh, k_bkhs, v_bksh, mask_bts, scale, causal=kv is None)   # no cache: causal by index too
-        return dense(o_btnh, self.o_proj[...].astype(dt), n_in=2), new_kv
+        if kv is None:                                      # no cache: causal by index too
+            o_btnh = attend(q_btnh, k_bkht, v_bkth, mask_bts, scale, causal=True)
+            return dense(o_btnh, self.o_proj[...].astype(dt), n_in=2), None
+        k_cache, v_cache, index = kv
+        step = q_btnh.shape[1] == 1 and c.num_kv_heads == 1   # read the cache, then write it: see `attend_step`
+        if step:
+            o_btnh = attend_step(q_btnh, k_cache.astype(dt), v_cache.astype(dt), k_bkht, v_bkth, mask_bts, index, scale)
+            k_bkht, v_bkth = after(o_btnh, k_bkht, v_bkth)
+        k_bkhs = jax.lax.dynamic_update_slice(k_cache, k_bkht.astype(k_cache.dtype), (0, 0, 0, index))
+        v_bksh = jax.lax.dynamic_update_slice(v_cache, v_bkth.astype(v_cache.dtype), (0, 0, index, 0))
+        if not step: o_btnh = attend(q_btnh, k_bkhs.astype(dt), v_bksh.astype(dt), mask_bts, scale)
+        return dense(o_btnh, self.o_proj[...].astype(dt), n_in=2), (k_bkhs, v_bksh)
 
 # %% ../nbs/02_model.ipynb
 class MLP(nnx.Module):
