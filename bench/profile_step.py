@@ -55,12 +55,16 @@ def build(a):
 
 
 def op_names(dump_dir: str, module: str) -> dict[str, str]:
-    "HLO instruction name -> 'op_name output-shape' from the largest optimized dump of `module`."
+    """HLO instruction name -> 'op_name output-shape' from the largest optimized dump of `module`. Instructions XLA
+    added itself carry no op_name (the copies that copy insertion puts around in-place updates and loop carries):
+    they are listed as '<opcode> (XLA) output-shape', so that a copy the program did not ask for shows up."""
     files = sorted(glob.glob(f"{dump_dir}/*jit_{module}.cpu_after_optimizations.txt"), key=os.path.getsize)
     out = {}
     for line in open(files[-1]):
-        m = re.match(r"\s+%(\S+) = (\S+) .*op_name=\"([^\"]+)\"", line)
-        if m: out[m.group(1)] = f"{m.group(3).split('/')[-1]} {m.group(2)}"
+        m = re.match(r"\s+(?:ROOT )?%(\S+) = (\S+) ([\w\-]+)\(", line)
+        if not m: continue
+        named = re.search(r"op_name=\"([^\"]+)\"", line)
+        out[m.group(1)] = (f"{named.group(1).split('/')[-1]} {m.group(2)}" if named else f"{m.group(3)} (XLA) {m.group(2)}")
     return out
 
 
