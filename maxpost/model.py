@@ -227,6 +227,7 @@ def attend_step(q_b1nh, k_bkhs, v_bksh, k_bkh1, v_bk1h, mask_b1s, index, scale: 
     b, _, n, h = q_b1nh.shape
     k = v_bksh.shape[1]
     q_bkgh = q_b1nh.reshape(b, k, n // k, h)
+    index = jnp.clip(index, 0, k_bkhs.shape[-1] - 1)                            # where dynamic_update_slice writes
     old_bs = mask_b1s[:, 0] & (jnp.arange(k_bkhs.shape[-1]) != index)[None]     # the slot being written is empty
     new_b = jax.lax.dynamic_index_in_dim(mask_b1s[:, 0], index, axis=1, keepdims=False)
     s_bkgs = jnp.einsum("bkgh,bkhs->bkgs", q_bkgh, k_bkhs, preferred_element_type=jnp.float32) * scale
