@@ -61,7 +61,7 @@ def op_names(dump_dir: str, module: str) -> dict[str, str]:
     files = sorted(glob.glob(f"{dump_dir}/*jit_{module}.cpu_after_optimizations.txt"), key=os.path.getsize)
     out = {}
     for line in open(files[-1]):
-        m = re.match(r"\s+(?:ROOT )?%(\S+) = (\S+) ([\w\-]+)\(", line)
+        m = re.match(r"\s+(?:ROOT )?%(\S+) = (\(.*?\)|\S+) ([\w\-]+)\(", line)   # tuple shapes hold spaces
         if not m: continue
         named = re.search(r"op_name=\"([^\"]+)\"", line)
         out[m.group(1)] = (f"{named.group(1).split('/')[-1]} {m.group(2)}" if named else f"{m.group(3)} (XLA) {m.group(2)}")
