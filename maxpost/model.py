@@ -14,7 +14,7 @@ from .sharding import constrain, create_sharded
 # %% auto 0
 __all__ = ['FAMILIES', 'PRESETS', 'ModelConfig', 'get_model_config', 'RMSNorm', 'rope_frequencies', 'rope_sin_cos', 'rotate',
            'apply_rope', 'attention_mask', 'attend', 'attend_step', 'after', 'dense', 'Attention', 'MLP', 'Block',
-           'init_cache', 'grow_cache', 'Decoder', 'create_model', 'num_params', 'TunixPolicy']
+           'recompute_in_backward', 'init_cache', 'grow_cache', 'Decoder', 'create_model', 'num_params', 'TunixPolicy']
 
 # %% ../nbs/02_model.ipynb
 FAMILIES = ("llama", "qwen3", "gemma3")
@@ -50,12 +50,14 @@ class ModelConfig:
     max_seq_len: int = 8192               # informational (HF max_position_embeddings)
     dtype: str = "float32"                # compute dtype
     param_dtype: str = "float32"
+    remat: str = "none"                   # none | full: the backward recomputes each block (see below)
 
     def __post_init__(self):
         if self.family not in FAMILIES: raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
         if self.num_heads % self.num_kv_heads: raise ValueError("num_heads must be a multiple of num_kv_heads")
         if self.rope_type not in ("default", "linear", "llama3"): raise ValueError(f"unknown rope_type {self.rope_type!r}")
         if self.activation not in ("silu", "gelu_tanh"): raise ValueError(f"unknown activation {self.activation!r}")
+        if self.remat not in ("none", "full"): raise ValueError(f"remat must be 'none' or 'full', got {self.remat!r}")
 
     def is_local(self, layer: int) -> bool:
         "Whether `layer` is a sliding-window (local) attention layer."
@@ -334,6 +336,23 @@ class Block(nnx.Module):
         return constrain(x_btd + h_btd, ("batch", "length", "embed")), new_kv
 
 # %% ../nbs/02_model.ipynb
+def recompute_in_backward(module: nnx.Module, *args):
+    "`module(*args)`, differentiated by running the module's forward again in the backward pass from the saved inputs instead of keeping its activations (remat). `args[0]` and the first output leaf are batch-first arrays."
+    graphdef, state = nnx.split(module)
+    def run(state, args): return nnx.merge(graphdef, state)(*args)
+
+    @jax.custom_vjp
+    def call(state, args): return run(state, args)
+    def call_fwd(state, args): return run(state, args), (state, args)
+    def call_bwd(saved, ct):
+        state, args = saved
+        x = after(jax.tree.leaves(ct)[0], args[0])[0]     # the recomputation waits for the cotangent
+        return jax.vjp(run, state, (x, *args[1:]))[1](ct)
+    call.defvjp(call_fwd, call_bwd)
+    return call(state, args)
+
+
+# %% ../nbs/02_model.ipynb
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
     "An empty KV cache: per layer k [B,K,H,S] and v [B,K,S,H] (tuples of L), segment_ids/positions [B,S] int32 (0 = empty), index int32."
     dtype = jnp.dtype(cfg.dtype if dtype is None else dtype)
@@ -390,7 +409,8 @@ class Decoder(nnx.Module):
             local = c.is_local(i)
             if local not in rope: rope[local] = rope_sin_cos(positions_bt, layer.attn.inv_freq())
             kv = None if cache is None else (cache["k"][i], cache["v"][i], index)
-            x_btd, new_kv = layer(x_btd, rope[local], local_bts if local else global_bts, kv)
+            block = partial(recompute_in_backward, layer) if c.remat == "full" else layer
+            x_btd, new_kv = block(x_btd, rope[local], local_bts if local else global_bts, kv)
             if cache is not None: ks.append(new_kv[0]); vs.append(new_kv[1])
         if logits_range is not None: x_btd = x_btd[:, logits_range[0]:logits_range[1]]
         x_btd = self.final_norm(x_btd)
