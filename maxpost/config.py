@@ -29,6 +29,7 @@ class RunConfig:
     tokenizer_path: str = ""  # "" = the tokenizer saved with the checkpoint
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
+    remat_policy: str = "none"  # none | full: recompute each layer in the backward (less memory, one more forward)
     # parallelism: mesh axis sizes, -1 = all remaining devices
     data_parallelism: int = 1
     fsdp_parallelism: int = -1
@@ -109,7 +110,7 @@ class RLConfig(RunConfig):
 
 # %% ../nbs/00_config.ipynb
 CHOICES = dict(
-    dtype=("float32", "bfloat16"), param_dtype=("float32", "bfloat16"),
+    dtype=("float32", "bfloat16"), param_dtype=("float32", "bfloat16"), remat_policy=("none", "full"),
     lr_schedule=("cosine", "linear", "constant"),
     data_format=("auto", "messages", "prompt_completion", "question_answer", "text"),
     train_on=("auto", "all"),

@@ -49,7 +49,7 @@ def read_model_config(run: Path) -> mm.ModelConfig:
 def load_policy(cfg: RunConfig, mesh) -> nnx.Module:
     "The initial policy: from `load_parameters_path` (maxpost run or Hugging Face directory) or a random preset."
     path = os.path.expanduser(cfg.load_parameters_path)
-    dtype = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+    dtype = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, remat=cfg.remat_policy)
     if not path:
         try: mcfg = mm.get_model_config(cfg.model_name, **dtype)
         except KeyError as e: raise ConfigError(str(e)) from None
@@ -59,7 +59,7 @@ def load_policy(cfg: RunConfig, mesh) -> nnx.Module:
                           f"checkpoints/<step> directories, or a Hugging Face directory with config.json + safetensors)")
     if is_hf_dir(path):
         from maxpost.checkpoint import load_hf
-        return load_hf(path, dtype=jnp.dtype(cfg.param_dtype), mesh=mesh)
+        return load_hf(path, dtype=jnp.dtype(cfg.param_dtype), mesh=mesh, remat=cfg.remat_policy)
     try: run, step = find_run_checkpoint(path)
     except FileNotFoundError:
         raise ConfigError(f"load_parameters_path={path!r} is neither a maxpost run (no checkpoints/ inside) nor a "

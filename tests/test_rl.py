@@ -119,3 +119,16 @@ def test_papermill_rl_run(tmp_path):
                         progress_bar=False)
     recs = read_metrics(tmp_path / "runs" / "pm", "train")
     assert recs[-1]["step"] == 2
+
+
+def test_remat_update_equals_the_plain_update(tmp_path):
+    """remat_policy=full recomputes each layer in the backward; the update (prompts run once per group through a
+    KV cache, a KL term to the reference) must move the weights exactly as without it."""
+    plain = RLTrainer(rl_cfg(tmp_path / "a", "beta=0.04"))
+    remat = RLTrainer(rl_cfg(tmp_path / "b", "beta=0.04", "remat_policy=full"))
+    assert (plain.model_cfg.remat, remat.model_cfg.remat) == ("none", "full")
+    batch = plain.rollout()
+    a, b = plain.update(batch), remat.update(batch)
+    np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5, atol=1e-7)
+    for x, y in zip(jax.tree.leaves(remat.params), jax.tree.leaves(plain.params)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)

@@ -163,6 +163,21 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert step2 >= step
 
 
+def test_remat_policy_full_trains_like_none(tmp_path):
+    """remat_policy=full changes memory, not the numbers: the same losses step by step, and the run records it."""
+    losses = {}
+    for policy in ("none", "full"):
+        cfg = load_config("sft", [f"base_output_directory={tmp_path}", f"run_name={policy}", "steps=3",
+                                  f"remat_policy={policy}", *SMALL])
+        train_sft(cfg, progress=False)
+        losses[policy] = [r["loss"] for r in read_metrics(run_dir(cfg), "train")]
+        assert json.loads((run_dir(cfg) / "model_config.json").read_text())["remat"] == policy
+    assert len(losses["none"]) == 3
+    np.testing.assert_allclose(losses["full"], losses["none"], rtol=1e-5)
+    with pytest.raises(ConfigError, match="remat_policy"):
+        load_config("sft", [f"base_output_directory={tmp_path}", "run_name=x", "remat_policy=some"])
+
+
 def test_start_from_a_hugging_face_checkpoint(tmp_path):
     import torch, transformers
     tok_dir = prepare_tokenizer(tmp_path)
@@ -174,12 +189,12 @@ def test_start_from_a_hugging_face_checkpoint(tmp_path):
     transformers.Qwen3ForCausalLM(hf_cfg).save_pretrained(hf_dir)
     for f in Path(tok_dir).iterdir(): (hf_dir / f.name).write_bytes(f.read_bytes())
     cfg = load_config("sft", [f"base_output_directory={tmp_path}", "run_name=fromhf", f"load_parameters_path={hf_dir}",
-                              "steps=6", "save_hf=true", *SMALL])
+                              "steps=6", "save_hf=true", "remat_policy=full", *SMALL])
     out = train_sft(cfg, progress=False)
     assert out["step"] == 6
     # the run saved its model config (from the HF config) and a Hugging Face export that transformers loads
     mc = json.loads((run_dir(cfg) / "model_config.json").read_text())
-    assert (mc["d_model"], mc["num_layers"], mc["head_dim"]) == (64, 2, 32)
+    assert (mc["d_model"], mc["num_layers"], mc["head_dim"], mc["remat"]) == (64, 2, 32, "full")
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(run_dir(cfg) / "hf")
     assert sum(p.numel() for p in reloaded.parameters()) == sum(p.numel() for p in transformers.Qwen3ForCausalLM(hf_cfg).parameters())
 
