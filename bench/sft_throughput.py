@@ -8,6 +8,7 @@ MFU against the measured JAX fp32 matmul peak (bench/matmul_peak.py, run first i
 
     python bench/sft_throughput.py                  # 20m shape, seq 512, batch 8
     python bench/sft_throughput.py --rounds 3       # all three frameworks three times, interleaved (noisy machines)
+    python bench/sft_throughput.py --peers maxpost-remat trl   # also maxpost with remat_policy=full
     python bench/sft_throughput.py --quick          # tiny shape, seq 128, batch 4: a smoke run in ~1 minute
     python bench/sft_throughput.py --worker maxpost --shape 20m --seq 512 --batch 8 --warmup 2 --reps 5
 """
@@ -20,10 +21,10 @@ import common
 LR, CLIP = 1e-5, 1.0
 
 
-def run_maxpost(a) -> dict:
-    import jax
+def run_maxpost(a, remat: str = "none") -> dict:
+    import dataclasses, jax
     from maxpost.model import num_params
-    cfg = common.maxpost_config(a.shape)
+    cfg = dataclasses.replace(common.maxpost_config(a.shape), remat=remat)
     one = common.maxpost_sft_step(cfg, a.batch, a.seq, LR, CLIP)
     t0 = time.perf_counter(); jax.block_until_ready(one()); first = time.perf_counter() - t0
     times, m = common.timed(one, warmup=a.warmup - 1, reps=a.reps, sync=jax.block_until_ready)
@@ -91,7 +92,7 @@ def run_trl(a) -> dict:
             "params": int(n), "train_total_s": total}
 
 
-WORKERS = {"maxpost": run_maxpost, "tunix": run_tunix, "trl": run_trl}
+WORKERS = {"maxpost": run_maxpost, "maxpost-remat": lambda a: run_maxpost(a, "full"), "tunix": run_tunix, "trl": run_trl}
 
 
 def worker(a) -> None:
