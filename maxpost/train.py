@@ -49,9 +49,9 @@ def read_model_config(run: Path) -> mm.ModelConfig:
 def load_policy(cfg: RunConfig, mesh) -> nnx.Module:
     "The initial policy: from `load_parameters_path` (maxpost run or Hugging Face directory) or a random preset."
     path = os.path.expanduser(cfg.load_parameters_path)
-    dtype = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, remat=cfg.remat_policy)
+    model_options = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, remat=cfg.remat_policy)
     if not path:
-        try: mcfg = mm.get_model_config(cfg.model_name, **dtype)
+        try: mcfg = mm.get_model_config(cfg.model_name, **model_options)
         except KeyError as e: raise ConfigError(str(e)) from None
         return mm.create_model(mcfg, seed=cfg.seed, mesh=mesh)
     if not Path(path).exists():
@@ -64,7 +64,7 @@ def load_policy(cfg: RunConfig, mesh) -> nnx.Module:
     except FileNotFoundError:
         raise ConfigError(f"load_parameters_path={path!r} is neither a maxpost run (no checkpoints/ inside) nor a "
                           f"Hugging Face directory (no config.json + *.safetensors)") from None
-    mcfg = dataclasses.replace(read_model_config(run), **dtype)
+    mcfg = dataclasses.replace(read_model_config(run), **model_options)
     model = mm.create_model(mcfg, seed=0, mesh=mesh)   # sharded on the mesh; the restore writes over it
     restored, _, _ = restore_state(checkpoint_manager(run / "checkpoints"), nnx.state(model, nnx.Param), step=step)
     nnx.update(model, restored)
