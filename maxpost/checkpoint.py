@@ -183,12 +183,12 @@ def _variable(model, path: tuple) -> nnx.Variable:
     for p in path: node = node[p] if isinstance(p, int) else getattr(node, p)
     return node
 
-def load_hf(path, *, dtype=jnp.float32, mesh=None, remat: str = "none") -> Decoder:
-    "A `Decoder` from a Hugging Face checkpoint directory; weights go straight to their shards on `mesh`."
+def load_hf(path, *, dtype=jnp.float32, mesh=None, remat: str = "none", compute_dtype=None) -> Decoder:
+    "A `Decoder` from a Hugging Face checkpoint directory, weights in `dtype` (computing in `compute_dtype`, default `dtype`); weights go straight to their shards on `mesh`."
     path = Path(path)
     cfg = hf_config_to_model_config(json.loads((path / "config.json").read_text()))
     name = jnp.dtype(dtype).name
-    cfg = dataclasses.replace(cfg, dtype=name, param_dtype=name, remat=remat)
+    cfg = dataclasses.replace(cfg, dtype=jnp.dtype(compute_dtype or dtype).name, param_dtype=name, remat=remat)
     files = _weight_index(path)
     prefix = _text_prefix(files)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))

@@ -59,7 +59,7 @@ def load_policy(cfg: RunConfig, mesh) -> nnx.Module:
                           f"checkpoints/<step> directories, or a Hugging Face directory with config.json + safetensors)")
     if is_hf_dir(path):
         from maxpost.checkpoint import load_hf
-        return load_hf(path, dtype=jnp.dtype(cfg.param_dtype), mesh=mesh, remat=cfg.remat_policy)
+        return load_hf(path, dtype=jnp.dtype(cfg.param_dtype), mesh=mesh, remat=cfg.remat_policy, compute_dtype=cfg.dtype)
     try: run, step = find_run_checkpoint(path)
     except FileNotFoundError:
         raise ConfigError(f"load_parameters_path={path!r} is neither a maxpost run (no checkpoints/ inside) nor a "

@@ -225,3 +225,19 @@ def test_param_map_covers_model(saved):
     hf_names = {k for k in hf.state_dict() if "rotary" not in k}
     if model.cfg.tie_embeddings: hf_names.discard("lm_head.weight")
     assert {e.hf_name for e in hf_param_map(model.cfg)} == hf_names
+
+
+def test_run_config_reaches_a_hugging_face_model(saved, tmp_path):
+    """`dtype` (compute), `param_dtype` and `remat_policy` of a run apply to a model loaded from a Hugging Face
+    directory: float32 weights computing in bfloat16 give logits other than float32 compute, close to them."""
+    from maxpost.config import load_config
+    from maxpost.train import load_policy
+    family, path, hf = saved
+    cfg = load_config("sft", [f"base_output_directory={tmp_path}", "run_name=x", f"load_parameters_path={path}",
+                              "dtype=bfloat16", "param_dtype=float32", "remat_policy=full"])
+    model = load_policy(cfg, None)
+    assert (model.cfg.dtype, model.cfg.param_dtype, model.cfg.remat) == ("bfloat16", "float32", "full")
+    assert model.layers[0].mlp.up_proj[...].dtype == jnp.float32
+    tokens = jnp.asarray(_tokens(5))
+    mixed, full = np.asarray(model(tokens)), np.asarray(load_hf(path)(tokens))
+    assert 0 < np.abs(mixed - full).max() < 0.1 * np.abs(full).max() + 0.05
