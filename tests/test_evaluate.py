@@ -9,7 +9,8 @@ import numpy as np, pytest
 from maxpost import tasks, sampling
 from maxpost.config import load_config, ConfigError
 from maxpost.data import encode_chat
-from maxpost.evaluate import (PROMPT_TEMPLATES, render_prompt, prompt_token_ids, stop_token_ids, load_eval_examples,
+from maxpost.prompts import PROMPT_TEMPLATES, render_prompt, prompt_token_ids, stop_token_ids
+from maxpost.evaluate import (load_eval_examples,
                               pass_at_k, majority_vote, score_samples, evaluate, format_table, main)
 from maxpost.rewards import gsm8k_gold, correctness_reward, format_reward
 
@@ -267,7 +268,7 @@ def test_format_table_aligns_rows_and_columns():
 # ------------------------------------------------------------------------------------ maxpost sft -> maxpost eval
 
 def _cmd(command, module):
-    "`python -m maxpost <command>`, or the module's main directly while the CLI does not list the command yet."
+    "`python -m maxpost.cli <command>`, or the module's main directly while the CLI does not list the command yet."
     from maxpost.cli import COMMANDS
     if command in COMMANDS: return [sys.executable, "-m", "maxpost", command]
     return [sys.executable, "-c", f"import sys; from {module} import main; raise SystemExit(main(sys.argv[1:]))"]
