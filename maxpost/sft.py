@@ -10,15 +10,16 @@ from pathlib import Path
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
 
-from .config import SFTConfig, ConfigError, load_config, run_dir
+from .config import SFTConfig, TrainConfig, ConfigError, load_config, run_dir
 from . import sharding, tasks
 from .data import load_tokenizer, make_sft_iterator
 from .sft_loss import sft_loss, target_weights, summarize_metrics
-from .train import (embedded_task_dir, make_run_mesh, load_policy, tokenizer_dir, make_optimizer, make_schedule, init_opt_state, run_command, print_summary, all_finite, check_finite, RunCheckpoints, StopSignal,
-                           MetricsLogger, flops_per_token, device_peak_flops)
+from .train import (Trainer, embedded_task_dir, embedded_split, eval_source, check_held_out, run_command,
+                           print_summary, all_finite, flops_per_token)
 
 # %% auto 0
-__all__ = ['split_micro_batches', 'make_sft_step', 'make_eval_step', 'sft_data', 'evaluate_loss', 'train_sft', 'main']
+__all__ = ['split_micro_batches', 'make_sft_step', 'make_eval_step', 'sft_data', 'evaluate_loss', 'report_examples', 'SFTTrainer',
+           'train_sft', 'main']
 
 # %% ../nbs/09_sft.ipynb
 def split_micro_batches(batch: dict, accum: int) -> dict:
@@ -50,6 +51,7 @@ def make_sft_step(graphdef, tx: optax.GradientTransformation, *, accum: int = 1,
 
     return jax.jit(step, donate_argnums=(0, 2))
 
+# %% ../nbs/09_sft.ipynb
 def make_eval_step(graphdef):
     "A jitted `eval_step(params, rest, batch) -> summed loss metrics`."
     def eval_step(params, rest, batch):
@@ -59,33 +61,20 @@ def make_eval_step(graphdef):
     return jax.jit(eval_step)
 
 # %% ../nbs/09_sft.ipynb
-def sft_data(cfg: SFTConfig, tokenizer, split: str, *, shuffle: bool, num_epochs=None, global_batch_size=None):
-    "A BatchIterator over `split` of the configured dataset (or the embedded task's conversations)."
-    if cfg.dataset_name:
-        source, split_name, fmt = cfg.dataset_name, split, cfg.data_format
-    else:  # the embedded task: one file per split; a slice such as "train[:256]" carries over
-        paths = tasks.prepare_embedded(embedded_task_dir(cfg), seed=cfg.seed)
-        name, piece = split.split("[")[0], split[len(split.split("[")[0]):]
-        which = "train" if name == cfg.train_split.split("[")[0] else "test"
-        source, split_name, fmt = paths[f"sft_{which}"], "train" + piece, "messages"
+def sft_data(cfg: SFTConfig, tokenizer, split: str, *, shuffle: bool, num_epochs=None, source: str | None = None):
+    "A BatchIterator over `split` of `source` (default `dataset_name`; \"\" = the embedded task's conversations)."
+    source = cfg.dataset_name if source is None else source
+    if source: split_name, fmt = split, cfg.data_format
+    else: (source, split_name), fmt = embedded_split(cfg, split, "sft_"), "messages"
     cols = dict(messages_column=cfg.messages_column, prompt_column=cfg.prompt_column,
                 completion_column=cfg.completion_column, question_column=cfg.question_column,
                 answer_column=cfg.answer_column, text_column=cfg.text_column)
     return make_sft_iterator(tokenizer, source, split=split_name, dataset_config=cfg.dataset_config,
-                             max_target_length=cfg.max_target_length,
-                             global_batch_size=global_batch_size or cfg.global_batch_size, data_format=fmt,
-                             train_on=cfg.train_on, packing=cfg.packing, shuffle=shuffle, seed=cfg.seed,
-                             num_epochs=num_epochs, **cols)
+                             max_target_length=cfg.max_target_length, global_batch_size=cfg.global_batch_size,
+                             data_format=fmt, train_on=cfg.train_on, packing=cfg.packing, shuffle=shuffle,
+                             seed=cfg.seed, num_epochs=num_epochs, **cols)
 
 # %% ../nbs/09_sft.ipynb
-def _check_batch(cfg, mesh):
-    n = mesh.shape["data"] * mesh.shape["fsdp"]
-    micro = cfg.global_batch_size // cfg.gradient_accumulation_steps
-    if cfg.global_batch_size % cfg.gradient_accumulation_steps or micro % n:
-        raise ConfigError(f"global_batch_size={cfg.global_batch_size} must split into gradient_accumulation_steps="
-                          f"{cfg.gradient_accumulation_steps} micro-batches whose size is a multiple of the "
-                          f"{n} batch shards (data x fsdp) of the mesh")
-
 def evaluate_loss(eval_step, params, rest, it, mesh, num_batches: int) -> dict:
     "Mean eval loss, perplexity and token accuracy over `num_batches` batches of the iterator `it`."
     total = None
@@ -95,79 +84,66 @@ def evaluate_loss(eval_step, params, rest, it, mesh, num_batches: int) -> dict:
     if total is None: return {}
     n = max(float(total["num_loss_tokens"]), 1.0)
     nll = float(total["nll_sum"]) / n
-    return {"eval_loss": nll, "eval_perplexity": math.exp(min(nll, 50.0)), "eval_accuracy": float(total["num_correct"]) / n}
+    return {"eval_loss": nll, "eval_perplexity": math.exp(min(nll, 50.0)),
+            "eval_mean_token_accuracy": float(total["num_correct"]) / n}
 
+# %% ../nbs/09_sft.ipynb
+def _check_batch(cfg: SFTConfig, mesh) -> None:
+    "The micro-batches of a step must split evenly over the mesh's batch shards."
+    n = mesh.shape["data"] * mesh.shape["fsdp"]
+    if (cfg.global_batch_size // cfg.gradient_accumulation_steps) % n:
+        raise ConfigError(f"global_batch_size={cfg.global_batch_size} must split into gradient_accumulation_steps="
+                          f"{cfg.gradient_accumulation_steps} micro-batches whose size is a multiple of the "
+                          f"{n} batch shards (data x fsdp) of the mesh")
+
+# %% ../nbs/09_sft.ipynb
+def report_examples(examples, *, max_target_length: int, max_dropped_share: float, what: str) -> str:
+    "One line on how many examples truncation cut and dropped; `ConfigError` when more than `max_dropped_share` were dropped."
+    kept, dropped, cut = len(examples), examples.num_dropped, examples.num_truncated
+    total = kept + dropped
+    line = (f"{what}: {total} examples, {cut} truncated to max_target_length={max_target_length}, {dropped} dropped "
+            f"(no target token left), {int(examples.lengths.sum())} tokens")
+    if total and dropped / total > max_dropped_share:
+        raise ConfigError(f"{line}: more than max_dropped_share={max_dropped_share} of the data is dropped; raise "
+                          "max_target_length (or max_dropped_share to accept it)")
+    return line
+
+# %% ../nbs/09_sft.ipynb
+class SFTTrainer(Trainer):
+    "SFT: packed demonstrations through one jitted, donated step with gradient accumulation; evaluation by held-out loss."
+    kind, summary_keys = "sft", ("loss", "mean_token_accuracy")
+
+    def __init__(self, cfg: SFTConfig, *, progress: bool = True):
+        super().__init__(cfg)
+        _check_batch(cfg, self.mesh); check_held_out(cfg)
+        self.train_it = sft_data(cfg, self.tokenizer, cfg.train_split, shuffle=True)
+        self.eval_it = sft_data(cfg, self.tokenizer, cfg.eval_split, shuffle=False, num_epochs=1, source=eval_source(cfg))
+        self._eval_start = self.eval_it.state()
+        for what, it in (("train split", self.train_it), ("eval split", self.eval_it)):
+            line = report_examples(it.examples, max_target_length=cfg.max_target_length,
+                                   max_dropped_share=cfg.max_dropped_share, what=what)
+            if progress and jax.process_index() == 0: print(line, file=sys.stderr)
+        self.step_fn = make_sft_step(self.graphdef, self.tx, accum=cfg.gradient_accumulation_steps, z_loss=cfg.z_loss)
+        self.eval_fn = make_eval_step(self.graphdef)
+        self.flops_per_token = flops_per_token(self.model_cfg, cfg.max_target_length)
+
+    def train_step(self) -> dict:
+        batch = next(self.train_it)
+        self.params, self.opt_state, m = self.step_fn(self.params, self.rest, self.opt_state,
+                                                      sharding.shard_batch(batch, self.mesh))
+        return {**m, "num_tokens": int((batch["segment_ids"] != 0).sum()) * jax.process_count()}
+
+    def evaluate(self) -> dict:
+        self.eval_it.restore(self._eval_start)
+        return evaluate_loss(self.eval_fn, self.params, self.rest, self.eval_it, self.mesh, self.cfg.eval_batches)
+
+    def data_state(self) -> dict: return self.train_it.state()
+    def restore_data(self, state: dict) -> None: self.train_it.restore(state)
+
+# %% ../nbs/09_sft.ipynb
 def train_sft(cfg: SFTConfig, *, progress: bool = True) -> dict:
     "Run (or resume) SFT as configured; returns the final metrics. Writes everything under run_dir(cfg)."
-    mesh = make_run_mesh(cfg)
-    _check_batch(cfg, mesh)
-    default_tok = None if cfg.dataset_name else tasks.prepare_embedded(embedded_task_dir(cfg), seed=cfg.seed)["tokenizer"]
-    tok_dir = tokenizer_dir(cfg, default_tok)
-    tokenizer = load_tokenizer(tok_dir)
-    model = load_policy(cfg, mesh)   # weights are created in their shards (outside jax.set_mesh: see 01_sharding)
-    if len(tokenizer) > model.cfg.vocab_size:
-        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but model {cfg.model_name!r} only "
-                          f"{model.cfg.vocab_size} embeddings; use a matching tokenizer_path or model")
-    train_it = sft_data(cfg, tokenizer, cfg.train_split, shuffle=True)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx, schedule = make_optimizer(cfg), make_schedule(cfg)
-    opt_state = init_opt_state(tx, params, mesh)
-    ckpts = RunCheckpoints(cfg, model.cfg, tok_dir)
-    step = 0
-    restored = ckpts.restore_latest(params, opt_state)
-    if restored is not None:
-        params, opt_state, meta = restored
-        train_it.restore(meta["data"]); step = int(meta["step"])
-    train_step = make_sft_step(graphdef, tx, accum=cfg.gradient_accumulation_steps, z_loss=cfg.z_loss)
-    eval_step = make_eval_step(graphdef)
-    log = MetricsLogger(run_dir(cfg), cfg.steps, step, desc=f"sft {cfg.run_name}", progress=progress)
-    fpt, peak = flops_per_token(model.cfg, cfg.max_target_length), device_peak_flops()
-
-    def run_eval():
-        it = sft_data(cfg, tokenizer, cfg.eval_split, shuffle=False, num_epochs=1)
-        return evaluate_loss(eval_step, params, rest, it, mesh, cfg.eval_batches)
-
-    def save():
-        ckpts.save(step, params, opt_state, {"data": train_it.state(), "seed": cfg.seed})
-
-    last = {}
-    t0, tokens = time.perf_counter(), 0
-    with StopSignal() as stop, jax.set_mesh(mesh):
-        while step < cfg.steps:
-            batch = next(train_it)
-            tokens += int((batch["segment_ids"] != 0).sum()) * jax.process_count()
-            params, opt_state, metrics = train_step(params, rest, opt_state, sharding.shard_batch(batch, mesh))
-            metrics = jax.device_get(metrics)
-            try: check_finite(step + 1, float(metrics["loss"]), metrics.pop("params_finite"),
-                              ckpts.latest_step(), run_dir(cfg) / "checkpoints")
-            except FloatingPointError: log.close(); raise
-            step += 1
-            log.advance()
-            if step % cfg.log_period == 0 or step == cfg.steps:
-                dt = time.perf_counter() - t0
-                rec = {k: float(v) for k, v in metrics.items()}
-                rec.update(learning_rate=float(schedule(step - 1)), tokens_per_s=tokens / dt)
-                if peak: rec["mfu"] = tokens * fpt / dt / peak
-                last = log.log(step, rec)
-                t0, tokens = time.perf_counter(), 0
-            if cfg.eval_interval and step % cfg.eval_interval == 0 and step < cfg.steps:
-                log.log(step, run_eval(), kind="eval")
-            if step % cfg.checkpoint_period == 0 or step == cfg.steps or stop.requested:
-                save()
-            if stop.requested:
-                print(f"stopped by signal at step {step}; checkpoint saved, rerun the same command to resume",
-                      file=sys.stderr)
-                break
-        final = run_eval() if step == cfg.steps else {}
-        if final: log.log(step, final, kind="eval")
-    log.close()
-    ckpts.mgr.wait_until_finished()
-    if cfg.save_hf and step == cfg.steps and jax.process_index() == 0:
-        nnx.update(model, params)
-        from maxpost.checkpoint import save_hf
-        save_hf(model, run_dir(cfg) / "hf")
-        tokenizer.save_pretrained(run_dir(cfg) / "hf")
-    return {"step": step, **last, **final}
+    return SFTTrainer(cfg, progress=progress).fit(progress=progress)
 
 # %% ../nbs/09_sft.ipynb
 def main(argv=None) -> int:
