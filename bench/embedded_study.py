@@ -13,7 +13,7 @@ from pathlib import Path
 def maxpost(*args: str) -> float:
     "Run one `maxpost` command; returns its wall time in seconds."
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "maxpost", *args], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "maxpost.cli", *args], check=True, stdout=subprocess.DEVNULL)
     return time.perf_counter() - t0
 
 

@@ -21,9 +21,9 @@ __all__ = ['LR_SCHEDULES', 'RESUMABLE_KEYS', 'PEAK_BF16_FLOPS', 'make_run_mesh',
            'find_run_checkpoint', 'read_model_config', 'load_policy', 'embedded_task_dir', 'embedded_split',
            'eval_source', 'check_held_out', 'tokenizer_dir', 'check_vocab', 'Setup', 'setup_run', 'make_schedule',
            'make_optimizer', 'on_mesh', 'init_opt_state', 'all_finite', 'check_finite', 'RunLocked', 'RunLock',
-           'config_changes', 'effective_config', 'check_resume', 'RunCheckpoints', 'StopSignal', 'RunStopped',
-           'read_metrics', 'MetricsLogger', 'flops_per_token', 'device_peak_flops', 'Trainer', 'split_base',
-           'run_command', 'print_summary']
+           'config_changes', 'effective_config', 'check_resume', 'precheck_run_dir', 'RunCheckpoints', 'StopSignal',
+           'RunStopped', 'read_metrics', 'MetricsLogger', 'flops_per_token', 'device_peak_flops', 'Trainer',
+           'split_base', 'run_command', 'print_summary']
 
 # %% ../nbs/08_train.ipynb
 def make_run_mesh(cfg: RunConfig) -> jax.sharding.Mesh:
@@ -237,6 +237,9 @@ class RunLock:
 # %% ../nbs/08_train.ipynb
 RESUMABLE_KEYS = ("steps", "log_period", "eval_interval", "checkpoint_period", "max_checkpoints_to_keep", "save_hf",
                   "eval_num_prompts", "eval_k", "eval_batches", "reward_timeout_s", "check_memory",
+                  # the optimizer may change: lowering learning_rate after a divergence is how a run is rescued
+                  "learning_rate", "lr_schedule", "warmup_steps", "weight_decay", "adam_b1", "adam_b2", "max_grad_norm",
+                  # the layout on devices and in memory: the same numbers, computed differently
                   "coordinator_address", "num_processes", "process_id", "data_parallelism", "fsdp_parallelism",
                   "tensor_parallelism", "remat_policy", "logits_chunk_size", "attention", "gradient_accumulation_steps")
 
@@ -266,11 +269,22 @@ def check_resume(directory, cfg: RunConfig, step: int) -> dict:
         diff = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in breaking.items())
         raise ConfigError(f"run {directory} resumes at step {step} but these keys differ from the run's config "
                           f"({Path(directory) / 'config.yml'}): {diff}. Put them back, or start a new run with "
-                          f"another run_name. Only {', '.join(RESUMABLE_KEYS[:6])}, ... may change on a resume")
+                          "another run_name (a resume may change only maxpost.train.RESUMABLE_KEYS: the number of steps, the "
+                          "cadences, the optimizer's settings and the layout on devices)")
     if allowed:
         rec = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changed": {k: list(v) for k, v in allowed.items()}}
         with open(Path(directory) / "config_history.jsonl", "a") as f: f.write(json.dumps(rec) + "\n")
     return allowed
+
+# %% ../nbs/08_train.ipynb
+def precheck_run_dir(cfg: RunConfig) -> None:
+    "Fail fast: the run directory is locked by another process, or a resume would change a breaking key."
+    d = run_dir(cfg)
+    if jax.process_index() != 0 or not d.exists(): return
+    with RunLock(d): pass
+    if (d / "config.yml").exists() and any(p.name.isdigit() for p in (d / "checkpoints").glob("*")):
+        breaking, _ = config_changes(effective_config(d), _as_dict(cfg))
+        if breaking: check_resume(d, cfg, -1)   # raises, naming the keys
 
 # %% ../nbs/08_train.ipynb
 class RunCheckpoints:
@@ -402,6 +416,7 @@ class Trainer:
     kind, eval_at_start, summary_keys = "train", False, ("loss",)
 
     def __init__(self, cfg: TrainConfig):
+        precheck_run_dir(cfg)
         self.cfg, s = cfg, setup_run(cfg)
         self.mesh, self.tokenizer, self.tok_dir, self.model_cfg = s.mesh, s.tokenizer, s.tokenizer_dir, s.model.cfg
         self.graphdef, self.params, self.rest = nnx.split(s.model, nnx.Param, ...)

@@ -77,11 +77,71 @@ def test_yaml_record_round_trips(tmp_path):
 
 
 def test_cli_help_and_config_command():
-    r = subprocess.run([sys.executable, "-m", "maxpost", "--help"], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "maxpost.cli", "--help"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and "config" in r.stdout, r.stderr
-    r = subprocess.run([sys.executable, "-m", "maxpost", "config", "rl", "beta=0.04"], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "maxpost.cli", "config", "rl", "beta=0.04"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and "beta: 0.04" in r.stdout, r.stderr
-    r = subprocess.run([sys.executable, "-m", "maxpost", "config", "rl", "betta=0.04"], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "maxpost.cli", "config", "rl", "betta=0.04"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2 and "Did you mean 'beta'" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "maxpost", "frobnicate"], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "maxpost.cli", "frobnicate"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode != 0 and "unknown command" in r.stderr
+
+
+# issue 21, item 5: values that used to fail late (or never), refused at config time with the key named
+@pytest.mark.parametrize("override,msg", [
+    ("num_generations=1", "num_generations=1 makes every group-relative advantage 0"),
+    ("learning_rate=0", "learning_rate=0.0 must be > 0"), ("learning_rate=-1e-3", "learning_rate=-0.001 must be > 0"),
+    ("epsilon_low=-0.1", "epsilon_low=-0.1 must be >= 0"), ("epsilon_high=-1", "epsilon_high=-1.0 must be >= 0"),
+    ("adam_b1=1.0", r"adam_b1=1.0 must be in \[0, 1\)"), ("adam_b2=-0.5", "adam_b2=-0.5"),
+    ("mini_batch_size=-8", "mini_batch_size=-8 must be >= 0"), ("temperature=-1", "temperature=-1.0 must be >= 0"),
+    ("top_p=2", r"top_p=2.0 must be in \(0, 1\]"), ("top_p=0", "top_p=0.0"), ("top_k=-1", "top_k=-1 must be >= 0"),
+    ("mini_batch_size=12", "whole groups"), ("gradient_accumulation_steps=3", "gradient_accumulation_steps=3 must divide"),
+])
+def test_rl_values_refused_at_config_time(override, msg):
+    with pytest.raises(ConfigError, match=msg):
+        load_config("rl", ["run_name=a", "base_output_directory=/x", override], base=None)
+
+
+# issue 21, item 15: a run name is a name
+@pytest.mark.parametrize("name", ["../../x", "/abs/path", "a/b", "", "..", "."])
+def test_run_name_must_be_a_name(name):
+    with pytest.raises(ConfigError, match="is not a name"):
+        load_config("sft", [f"run_name={name}", "base_output_directory=/x"], base=None)
+
+
+def test_run_name_from_an_environment_interpolation_is_resolved_then_checked(monkeypatch):
+    monkeypatch.setenv("MAXPOST_TEST_RUN", "../escape")
+    with pytest.raises(ConfigError, match="is not a name"):
+        load_config("sft", ["run_name=${oc.env:MAXPOST_TEST_RUN}", "base_output_directory=/x"], base=None)
+    monkeypatch.setenv("MAXPOST_TEST_RUN", "fine")
+    cfg = load_config("sft", ["run_name=${oc.env:MAXPOST_TEST_RUN}", "base_output_directory=/x"], base=None)
+    assert cfg.run_name == "fine" and "run_name: fine" in to_yaml(cfg)   # the record holds the resolved value
+
+
+# issue 21, item 16: a YAML base that is a list; greedy-only evaluation
+def test_yaml_base_must_be_a_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config("sft", [], base=write(tmp_path, "- steps: 3\n- run_name: x\n"))
+
+
+def test_greedy_only_evaluation_is_reachable():
+    assert load_config("rl", ["eval_k=0"]).eval_k == 0
+    assert load_config("eval", ["eval_k=0"]).eval_k == 0
+
+
+def test_each_command_has_only_its_keys():
+    from dataclasses import fields
+    from maxpost.config import EvalConfig
+    names = lambda c: {f.name for f in fields(c)}
+    assert not {"learning_rate", "steps", "save_hf", "gradient_accumulation_steps"} & names(EvalConfig)
+    assert not {"num_generations", "temperature", "eval_k"} & names(SFTConfig)
+    assert {"gradient_accumulation_steps", "save_hf", "temperature"} <= names(RLConfig)
+
+
+def test_choice_lists_come_from_their_owners():
+    from maxpost.config import choices
+    from maxpost import policy_loss, advantages, rl, train
+    assert choices("loss_algo") == policy_loss.LOSS_ALGOS and choices("kl_estimator") == policy_loss.KL_ESTIMATORS
+    assert set(policy_loss.LOSS_AGG_MODES) <= set(choices("loss_agg_mode"))
+    assert choices("advantage_scale") == advantages.SCALES and choices("rollout_engine") == tuple(rl.ROLLOUT_ENGINES)
+    assert choices("lr_schedule") == train.LR_SCHEDULES

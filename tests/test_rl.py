@@ -80,7 +80,7 @@ def test_pi_old_is_the_policy_that_generated_the_rollouts(tmp_path):
 
 
 def rl_cmd(base, run, steps, *extra):
-    return [sys.executable, "-m", "maxpost", "rl", f"base_output_directory={base}", f"run_name={run}",
+    return [sys.executable, "-m", "maxpost.cli", "rl", f"base_output_directory={base}", f"run_name={run}",
             f"steps={steps}", *SMALL, *extra]
 
 

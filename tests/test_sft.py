@@ -83,7 +83,7 @@ def test_packed_equals_unpacked_loss():
 
 
 def sft_cmd(base, run, steps, *extra):
-    return [sys.executable, "-m", "maxpost", "sft", f"base_output_directory={base}", f"run_name={run}",
+    return [sys.executable, "-m", "maxpost.cli", "sft", f"base_output_directory={base}", f"run_name={run}",
             f"steps={steps}", *SMALL, *extra]
 
 
@@ -116,6 +116,8 @@ def test_cli_run_then_resume_after_kill_matches_uninterrupted(tmp_path):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)): np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     losses = [r["loss"] for r in read_metrics(tmp_path / "whole", "train")]
     assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.5
+    # issue 21, item 16: the resumed run redid the steps after its checkpoint without duplicating their records
+    assert [r["step"] for r in read_metrics(tmp_path / "killed", "train")] == list(range(1, steps + 1))
 
 
 def test_sigterm_saves_a_checkpoint(tmp_path):
@@ -127,9 +129,11 @@ def test_sigterm_saves_a_checkpoint(tmp_path):
     while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3): time.sleep(0.05)
     p.send_signal(signal.SIGTERM)
     err = p.communicate(timeout=120)[1]
-    assert p.returncode == 0, err[-3000:]
+    # issue 21, item 9: a stopped run is not a finished one: exit 128 + SIGTERM, and say where it stopped
+    assert p.returncode == 128 + signal.SIGTERM, (p.returncode, err[-3000:])
     steps = [int(d.name) for d in (tmp_path / "term" / "checkpoints").iterdir() if d.name.isdigit()]
-    assert len(steps) == 1 and 3 <= steps[0] < 100000 and "resume" in err
+    assert len(steps) == 1 and 3 <= steps[0] < 100000
+    assert f"stopped by SIGTERM at step {steps[0]} of 100000" in err and "resume" in err, err[-2000:]
 
 
 def test_bad_column_is_a_clear_error(tmp_path):
@@ -154,7 +158,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     train_sft(cfg, progress=False)
     like = nnx.state(create_model(get_model_config("tiny")), nnx.Param)
     good, step = final_params(tmp_path, "nan", like)
-    # resume the same run with a learning rate that blows the weights up
+    # resume the same run with a learning rate that blows the weights up (optimizer settings may change on a resume)
     cfg = load_config("sft", base + ["steps=40", "learning_rate=1e30", "max_grad_norm=1e30", "warmup_steps=0"])
     with pytest.raises(FloatingPointError, match="non-finite (loss|weights).*last good"):
         train_sft(cfg, progress=False)
@@ -207,3 +211,59 @@ def test_papermill_sft_run(tmp_path):
                                         log_period=3), progress_bar=False)
     recs = read_metrics(tmp_path / "runs" / "pm", "train")
     assert recs[-1]["step"] == 12 and recs[-1]["loss"] < recs[0]["loss"]
+
+
+def test_non_finite_loss_before_any_checkpoint_says_so(tmp_path):
+    cfg = load_config("sft", [f"base_output_directory={tmp_path}", "run_name=nan0", "steps=3", *SMALL,
+                              "learning_rate=1e30", "max_grad_norm=1e30", "warmup_steps=0"])
+    with pytest.raises(FloatingPointError, match="No checkpoint had been saved yet"):
+        train_sft(cfg, progress=False)
+
+
+def test_dropped_examples_are_reported_and_too_many_stop_the_run(tmp_path, capsys):
+    """issue 21, item 2: at max_target_length=64 almost every embedded conversation loses its whole answer."""
+    base = [f"base_output_directory={tmp_path}", "run_name=short", "steps=2", *SMALL]
+    with pytest.raises(ConfigError, match=r"dropped.*raise max_target_length") as e:
+        train_sft(load_config("sft", base + ["max_target_length=64"]), progress=False)
+    assert "train split: 256 examples" in str(e.value)
+    assert not (tmp_path / "short" / "checkpoints").exists()          # refused before anything was trained
+    train_sft(load_config("sft", base), progress=True)
+    err = capsys.readouterr().err
+    assert "train split: 256 examples" in err and "dropped" in err
+
+
+def test_resume_refuses_a_changed_run_and_records_allowed_changes(tmp_path):
+    """issue 21, item 7: config.yml is the run's record; a breaking change is refused by name; a safe one logged."""
+    base = [f"base_output_directory={tmp_path}", "run_name=r", *SMALL]
+    train_sft(load_config("sft", base + ["steps=2"]), progress=False)
+    record = (tmp_path / "r" / "config.yml").read_text()
+    with pytest.raises(ConfigError, match=r"train_split: 'train\[:256\]' -> 'train\[:128\]'"):
+        train_sft(load_config("sft", [*base, "steps=4", "train_split=train[:128]"]), progress=False)
+    with pytest.raises(ConfigError, match=r"model_overrides: \{\} -> \{.num_layers.: 2\}"):
+        train_sft(load_config("sft", [*base, "steps=4", "model_overrides={num_layers: 2}"]), progress=False)
+    with pytest.raises(ConfigError, match="global_batch_size: 8 -> 16"):
+        train_sft(load_config("sft", [*base, "steps=4", "global_batch_size=16"]), progress=False)
+    train_sft(load_config("sft", base + ["steps=4", "log_period=2"]), progress=False)
+    assert (tmp_path / "r" / "config.yml").read_text() == record          # never overwritten
+    hist = [json.loads(l) for l in (tmp_path / "r" / "config_history.jsonl").read_text().splitlines()]
+    assert hist == [{"step": 2, "time": hist[0]["time"], "changed": {"steps": [2, 4], "log_period": [1, 2]}}]
+
+
+def test_a_second_process_on_the_same_run_is_refused(tmp_path):
+    """issue 21, item 10: an exclusive lock on the run directory; the second process exits 4 naming the first, and
+    a killed holder's lock is taken over."""
+    from maxpost.train import RunLock, RunLocked
+    holder = subprocess.Popen([sys.executable, "-c", f"from maxpost.train import RunLock\nimport time\n"
+                               f"with RunLock({str(tmp_path / 'busy')!r}): print('held', flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        r = subprocess.run(sft_cmd(tmp_path, "busy", 10), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 4, (r.returncode, r.stderr[-2000:])
+        assert f"is in use by pid {holder.pid}" in r.stderr
+        with pytest.raises(RunLocked):
+            with RunLock(tmp_path / "busy"): pass
+    finally:
+        holder.kill(); holder.wait()
+    with RunLock(tmp_path / "busy"):       # the kernel released the dead holder's flock
+        assert (tmp_path / "busy" / ".lock").read_text().startswith(f"pid {os.getpid()}")

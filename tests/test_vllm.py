@@ -191,7 +191,7 @@ def _rl_rewards(tmp_path, engine):
     (tmp_path / "vllm_rl_rewards.py").write_text(REWARD_MODULE)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    cmd = [sys.executable, "-m", "maxpost", "rl", f"base_output_directory={tmp_path}", f"run_name={engine}",
+    cmd = [sys.executable, "-m", "maxpost.cli", "rl", f"base_output_directory={tmp_path}", f"run_name={engine}",
            "load_parameters_path=", f"rollout_engine={engine}", "steps=12", "global_batch_size=32",
            "num_generations=4", "max_completion_length=16", "learning_rate=1e-2", "beta=0", "mini_batch_size=0",
            "train_split=train[:256]",
