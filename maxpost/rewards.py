@@ -455,7 +455,9 @@ def start_reward_workers(rewards) -> list[RewardSpec]:
 def close_reward_workers(rewards=None, grace: float = 1.0):
     "End the worker processes of these reward functions, or of all when None (a later call starts fresh ones)."
     runners = list(_RUNNERS.values()) if rewards is None else [_runners(s) for s in as_reward_specs(rewards)]
-    for worker in [r["process"] for r in runners if "process" in r]: worker.stop(grace)
+    workers = [r["process"] for r in runners if "process" in r and r["process"].proc is not None]
+    for worker in workers: worker.conn.close()           # all of them told at once, then waited for
+    for worker in workers: worker.stop(grace)
 
 # %% ../nbs/13_rewards.ipynb
 def _columns_for(fn: Callable, columns: dict) -> dict:
