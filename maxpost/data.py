@@ -5,17 +5,19 @@
 # %% ../nbs/04_data.ipynb 4
 from __future__ import annotations
 
-import bisect, re
+import bisect, codecs, glob, json, re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from .config import ConfigError
+
 # %% auto 0
-__all__ = ['FORMATS', 'load_tokenizer', 'detect_format', 'load_dataset_split', 'assistant_spans', 'encode_chat', 'show_mask',
-           'encode_example', 'Examples', 'tokenize_dataset', 'pack_best_fit', 'make_rows', 'padding_fraction',
-           'BatchIterator', 'make_sft_iterator', 'encode_prompt']
+__all__ = ['FORMATS', 'load_tokenizer', 'detect_format', 'dataset_splits', 'load_dataset_split', 'same_rows', 'assistant_spans',
+           'encode_chat', 'show_mask', 'encode_example', 'Examples', 'tokenize_dataset', 'check_examples',
+           'pack_best_fit', 'make_rows', 'padding_fraction', 'BatchIterator', 'make_sft_iterator', 'encode_prompt']
 
 # %% ../nbs/04_data.ipynb
 def load_tokenizer(path: str | Path, *, chat_template: str | None = None):
@@ -61,30 +63,153 @@ def detect_format(column_names: Sequence[str], data_format: str = "auto", **colu
                      + "; ".join(f"{f}: {need[f]}" for f in FORMATS) + ". Set the *_column names or data_format.")
 
 # %% ../nbs/04_data.ipynb
+def _split_parts(split: str) -> list[tuple[str, str]]:
+    "A split expression as (split name, slice) parts: 'train[:64]+test' -> [('train', '[:64]'), ('test', '')]."
+    parts = [re.fullmatch(r"\s*([\w.-]+)\s*(\[[^\]]*\])?\s*", s) for s in str(split).split("+")]
+    if not all(parts):
+        raise ConfigError(f"cannot read the split {split!r}; write a split name, optionally sliced: "
+                          "'train', 'train[:64]', 'test[90%:]'")
+    return [(m[1], m[2] or "") for m in parts]
+
+# %% ../nbs/04_data.ipynb
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text", ".arrow": "arrow"}
 
 def _builder(files: str | Sequence[str]) -> str | None:
-    first = files if isinstance(files, str) else files[0]
+    first = files if isinstance(files, (str, Path)) else files[0]
     name = str(first).lower().removesuffix(".gz").removesuffix(".zst")
     return next((b for ext, b in _BUILDERS.items() if name.endswith(ext)), None)
 
-def load_dataset_split(name_or_path: str | Path, split: str = "train", *, dataset_config: str = "",
-                       data_files: str | Sequence[str] | None = None):
-    "One split of a dataset: a hub name, a local directory, or jsonl/json/parquet/csv file(s) (builder from the extension)."
+def _is_saved(p: Path) -> bool: return p.is_dir() and ((p / "state.json").exists() or (p / "dataset_dict.json").exists())
+
+def _file_splits(name_or_path, data_files=None) -> dict[str, list[str]] | None:
+    "{split: files} for local files (a file or a list of files is one split, 'train') or a directory of split files; else None."
+    as_list = lambda fs: [str(fs)] if isinstance(fs, (str, Path)) else [str(f) for f in fs]
+    if isinstance(data_files, dict): return {str(k): as_list(v) for k, v in data_files.items()}
+    if data_files is None and _builder(str(name_or_path)) is not None: data_files = name_or_path
+    if data_files is not None: return {"train": as_list(data_files)}
+    p = Path(name_or_path)
+    if not p.is_dir() or _is_saved(p): return None
+    from datasets.data_files import DataFilesDict, get_data_patterns
+    try: found = DataFilesDict.from_patterns(get_data_patterns(str(p)), base_path=str(p))
+    except Exception as e: raise ConfigError(f"no data files in the directory {p} ({type(e).__name__}: {e})") from None
+    return {str(k): list(v) for k, v in found.items()}
+
+def dataset_splits(name_or_path: str | Path, *, dataset_config: str = "", data_files=None) -> list[str]:
+    "The split names of a dataset: 'train' alone for a data file, one per split file for a directory, the hub's list."
+    if (found := _file_splits(name_or_path, data_files)) is not None: return list(found)
+    p = Path(name_or_path)
+    if _is_saved(p):
+        return json.loads((p / "dataset_dict.json").read_text())["splits"] if (p / "dataset_dict.json").exists() else ["train"]
     import datasets
-    base = split.split("[")[0]  # "train[:100]" slices a split
-    path = str(name_or_path)
-    if data_files is None and _builder(path) is not None: data_files = path
-    if data_files is not None:
-        builder = _builder(data_files)
-        if builder is None: raise ValueError(f"cannot tell the file type of {data_files!r}; use {sorted(_BUILDERS)}")
-        files = [str(f) for f in data_files] if not isinstance(data_files, str) else str(data_files)
-        return datasets.load_dataset(builder, data_files={base: files}, split=split)
-    p = Path(path)
-    if p.is_dir() and ((p / "state.json").exists() or (p / "dataset_dict.json").exists()):
+    return list(datasets.get_dataset_split_names(str(name_or_path), dataset_config or None))
+
+# %% ../nbs/04_data.ipynb
+def _utf8_problem(path: str) -> str | None:
+    "Where a file stops being UTF-8 text ('byte 0xe9 at offset 12 (line 2)'), or None."
+    decoder, offset, line = codecs.getincrementaldecoder("utf-8")(), 0, 1
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            try: decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                at = e.start - (len(e.object) - len(chunk))            # the decoder may hold bytes of the last chunk
+                line += chunk[:max(at, 0)].count(b"\n")
+                return f"byte {e.object[e.start]:#04x} at offset {offset + at} (line {line})"
+            offset, line = offset + len(chunk), line + chunk.count(b"\n")
+    try: decoder.decode(b"", final=True)
+    except UnicodeDecodeError: return f"the file ends inside a character (offset {offset})"
+    return None
+
+def _read_problem(files: Sequence[str], builder: str | None) -> str | None:
+    "What is wrong with the first unreadable local file, naming it; None when no file-level fault is found."
+    for f in files:
+        p = Path(f)
+        if "://" in str(f) or not p.is_file() or _builder(f) != builder: continue
+        if p.stat().st_size == 0: return f"dataset file {f} is empty"
+        if builder in ("json", "csv", "text") and (bad := _utf8_problem(f)):
+            return f"dataset file {f} is not UTF-8 text: {bad}; re-encode it (e.g. iconv -f latin1 -t utf-8)"
+        if p.stat().st_size < 1 << 20 and not p.read_bytes().strip(): return f"dataset file {f} has no rows, only blank lines"
+    return None
+
+def _root_cause(e: BaseException) -> str:
+    while (e.__cause__ or e.__context__) is not None: e = e.__cause__ or e.__context__
+    return f"{type(e).__name__}: {e}"
+
+def _check_files(files: Sequence[str]) -> str | None:
+    "The builder most of the files use; ConfigError naming a file that is missing, empty or not UTF-8 text."
+    builders = [_builder(f) for f in files]
+    builder = max(set(builders), key=builders.count) if builders else None
+    for f in files:
+        if "://" not in str(f) and not glob.has_magic(str(f)) and not Path(f).exists():
+            raise ConfigError(f"dataset file {f} does not exist")
+    if (problem := _read_problem(files, builder)): raise ConfigError(problem)
+    return builder
+
+# %% ../nbs/04_data.ipynb
+def _no_split(source, missing: str, splits: list[str], one_file: bool) -> ConfigError:
+    msg = f"{str(source)!r} has no split {missing!r}; its split(s): {splits}."
+    if one_file:
+        msg += (" A data file is one split, 'train' (slices such as 'train[:64]' or 'train[90%:]' select rows of it); "
+                "give held-out data as a file of its own (eval_dataset_name=path/to/test.jsonl).")
+    else: msg += " Name one of them (train_split= / eval_split=), or give held-out data of its own (eval_dataset_name=)."
+    return ConfigError(msg)
+
+def _select(splits: dict, split: str):
+    "The rows a split expression names from in-memory splits {name: Dataset}, slices included."
+    import datasets
+    parts = datasets.ReadInstruction.from_spec(split).to_absolute({k: len(v) for k, v in splits.items()})
+    chosen = [splits[a.splitname].select(range(a.from_, max(a.from_, a.to))) for a in parts]
+    return chosen[0] if len(chosen) == 1 else datasets.concatenate_datasets(chosen)
+
+def load_dataset_split(name_or_path: str | Path, split: str = "train", *, dataset_config: str = "",
+                       data_files: str | Sequence[str] | dict | None = None):
+    "One split of a dataset: a hub name, a local directory, or jsonl/json/parquet/csv file(s); an unknown split is an error."
+    import datasets
+    names = list(dict.fromkeys(n for n, _ in _split_parts(split)))
+    p, files = Path(name_or_path), _file_splits(name_or_path, data_files)
+    if files is not None:                                    # local files: their splits are known before reading
+        one_file = data_files is not None or not p.is_dir()
+        if (missing := [n for n in names if n not in files]): raise _no_split(name_or_path, missing[0], list(files), one_file)
+        flat = [f for n in names for f in files[n]]
+        if one_file and _builder(flat) is None:
+            raise ConfigError(f"cannot tell the file type of {flat[0]!r}; use one of {sorted(_BUILDERS)}")
+        builder = _check_files(flat)
+        try:
+            if one_file: return datasets.load_dataset(builder, data_files={n: files[n] for n in names}, split=split)
+            return datasets.load_dataset(str(p), dataset_config or None, split=split)
+        except Exception as e:
+            raise ConfigError(f"cannot read the dataset file(s) {flat}: {_root_cause(e)}") from e
+    if _is_saved(p):
         ds = datasets.load_from_disk(str(p))
-        return ds[base] if isinstance(ds, datasets.DatasetDict) else ds
-    return datasets.load_dataset(path, dataset_config or None, split=split)
+        splits = dict(ds) if isinstance(ds, datasets.DatasetDict) else {"train": ds}
+        if (missing := [n for n in names if n not in splits]): raise _no_split(name_or_path, missing[0], list(splits), False)
+        return _select(splits, split)
+    try: return datasets.load_dataset(str(name_or_path), dataset_config or None, split=split)
+    except ValueError as e:
+        if "Unknown split" not in str(e): raise
+        raise ConfigError(f"{str(name_or_path)!r}: {e} Name one of them (train_split= / eval_split=), "
+                          "or give held-out data of its own (eval_dataset_name=).") from None
+
+# %% ../nbs/04_data.ipynb
+def _row_ranges(source, split: str, dataset_config: str = "") -> list[tuple[tuple, int, int | None]]:
+    "(data key, first row, end row or None for the whole split) for each part of a split expression."
+    import datasets
+    files, out = _file_splits(source), []
+    for name, piece in _split_parts(split):
+        if files is not None:
+            if name not in files: raise _no_split(source, name, list(files), not Path(source).is_dir())
+            key = ("files", tuple(sorted(str(Path(f).resolve()) for f in files[name])))
+        elif Path(source).exists(): key = ("path", str(Path(source).resolve()), name)
+        else: key = ("hub", str(source), dataset_config or "", name)
+        if not piece: out.append((key, 0, None)); continue
+        n = len(load_dataset_split(source, name, dataset_config=dataset_config))
+        (a,) = datasets.ReadInstruction.from_spec(name + piece).to_absolute({name: n})
+        out.append((key, a.from_, a.to))
+    return out
+
+def same_rows(a: tuple, b: tuple) -> bool:
+    "Whether two (source, split) or (source, split, dataset_config) pairs share rows (same data, overlapping slices)."
+    def overlap(x, y): return x[0] == y[0] and (x[2] is None or y[2] is None or max(x[1], y[1]) < min(x[2], y[2]))
+    return any(overlap(x, y) for x in _row_ranges(*a) for y in _row_ranges(*b))
 
 # %% ../nbs/04_data.ipynb
 def _common_prefix(a: str, b: str) -> int:
@@ -210,8 +335,9 @@ class Examples:
     tokens: np.ndarray
     loss_mask: np.ndarray
     offsets: np.ndarray
-    num_dropped: int = 0
-    num_truncated: int = 0
+    num_dropped: int = 0      # examples left with no target by truncation
+    num_truncated: int = 0    # examples cut to max_target_length (the dropped ones included)
+    max_length: int = 0       # the longest example before truncation
 
     def __len__(self) -> int: return len(self.offsets) - 1
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
@@ -228,28 +354,47 @@ class Examples:
         cat = lambda xs: np.concatenate([np.asarray(x, np.int32) for x in xs]) if xs else np.zeros(0, np.int32)
         return cls(cat(tokens), cat(loss_masks), np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), **counts)
 
+# %% ../nbs/04_data.ipynb
 def tokenize_dataset(dataset, tokenizer, *, max_target_length: int, data_format: str = "auto", train_on: str = "auto",
                      use_chat_template: bool | None = None, system_prompt: str | None = None,
                      chat_template_kwargs: dict | None = None, **columns) -> Examples:
     "Encode every example (a datasets.Dataset or a list of dicts), truncate to max_target_length, drop empty-mask ones."
-    if len(dataset) == 0: raise ValueError("the dataset is empty")
+    if len(dataset) == 0: raise ConfigError("the dataset is empty")
     names = dataset.column_names if hasattr(dataset, "column_names") else list(dataset[0])
     fmt = detect_format(names, data_format, **columns)
     if hasattr(dataset, "select_columns"): dataset = dataset.select_columns(list(dict.fromkeys(_columns(**columns)[fmt])))
-    toks, masks, dropped, truncated = [], [], 0, 0
+    toks, masks, dropped, truncated, longest = [], [], 0, 0, 0
     for i, ex in enumerate(dataset):
         try:
             ids, mask = encode_example(tokenizer, ex, fmt, train_on=train_on, use_chat_template=use_chat_template,
                                        system_prompt=system_prompt, chat_template_kwargs=chat_template_kwargs, **columns)
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"example {i} ({fmt} format): {e}") from e
+        longest = max(longest, len(ids))
         if len(ids) > max_target_length: ids, mask, truncated = ids[:max_target_length], mask[:max_target_length], truncated + 1
         if not any(mask): dropped += 1; continue
         toks.append(ids); masks.append(mask)
     if not toks:
-        raise ValueError(f"all {len(dataset)} examples have no training target after truncation to "
-                         f"max_target_length={max_target_length}; raise max_target_length or check train_on / the columns")
-    return Examples.from_lists(toks, masks, num_dropped=dropped, num_truncated=truncated)
+        raise ConfigError(f"all {len(dataset)} examples have no training target after truncation to max_target_length="
+                          f"{max_target_length} (the longest has {longest} tokens); raise max_target_length or check "
+                          "train_on / the columns")
+    return Examples.from_lists(toks, masks, num_dropped=dropped, num_truncated=truncated, max_length=longest)
+
+# %% ../nbs/04_data.ipynb
+def check_examples(examples: Examples, *, max_target_length: int, max_dropped_share: float = 0.5,
+                   what: str = "train split") -> str:
+    "One line on tokenized examples (kept, truncated, dropped, tokens); ConfigError when over `max_dropped_share` were dropped."
+    total, dropped = len(examples) + examples.num_dropped, examples.num_dropped
+    line = (f"{what}: {total} examples, {examples.num_truncated} truncated to max_target_length={max_target_length}, "
+            f"{dropped} dropped (no target left), {len(examples)} kept with {len(examples.tokens)} tokens "
+            f"({int(examples.loss_mask.sum())} targets)")
+    if total and dropped > max_dropped_share * total:
+        need = -(-examples.max_length // 64) * 64
+        raise ConfigError(f"{what}: {dropped} of {total} examples ({dropped / total:.0%}) have no target token left after "
+                          f"truncation to max_target_length={max_target_length} and are dropped, more than "
+                          f"max_dropped_share={max_dropped_share:g}; the longest example has {examples.max_length} tokens: "
+                          f"raise max_target_length (e.g. max_target_length={need}) or shorten the prompts")
+    return line
 
 # %% ../nbs/04_data.ipynb
 def pack_best_fit(lengths: Sequence[int], capacity: int, order: Sequence[int] | None = None) -> list[list[int]]:
@@ -286,6 +431,7 @@ def make_rows(examples: Examples, rows: Sequence[Sequence[int]], max_target_leng
             at += n
     return out
 
+# %% ../nbs/04_data.ipynb
 def padding_fraction(batch: dict[str, np.ndarray]) -> float:
     "Share of the batch's token slots that are padding (segment id 0)."
     return float((batch["segment_ids"] == 0).mean())

@@ -4,17 +4,21 @@
 
 # %% auto 0
 __all__ = ['BUILTIN_REWARDS', 'parse_number', 'first_number', 'last_number', 'gsm8k_gold', 'extract_answer', 'answers_match',
-           'correctness_reward', 'format_reward', 'resolve_reward_fn', 'RewardSpec', 'as_reward_specs',
-           'compute_rewards']
+           'gold_answer', 'check_gold_answers', 'correctness_reward', 'format_reward', 'resolve_reward_fn',
+           'RewardSpec', 'as_reward_specs', 'start_reward_workers', 'close_reward_workers', 'compute_rewards']
 
 # %% ../nbs/13_rewards.ipynb
-import importlib, inspect, logging, re, threading, time
+import importlib, inspect, logging, math, os, pickle, queue, re, signal, socket, subprocess, sys, threading, time, weakref
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from fractions import Fraction
+from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
+
+from .config import ConfigError
 
 _log = logging.getLogger(__name__)
 
@@ -47,6 +51,7 @@ def parse_number(text: str | None) -> Fraction | None:
     try: return Fraction(s)
     except (ValueError, ZeroDivisionError): return None
 
+# %% ../nbs/13_rewards.ipynb
 def _numbers(text: str):
     "The values of the numbers in `text`, in order (a zero denominator is skipped)."
     for m in _NUMBER.finditer(text):
@@ -144,17 +149,59 @@ def answers_match(pred: str | None, gold: str | None) -> bool:
     return _plain(pred) == _plain(gold)
 
 # %% ../nbs/13_rewards.ipynb
+_WORD = re.compile(r"(?<![\\\w])[^\W\d_]{2,}")          # a word of two letters or more, not a \command
+
+def gold_answer(field) -> str | None:
+    "The final answer in a gold field: after `####`, else the last \\boxed{}, else a short answer itself; None for prose."
+    if field is None: return None
+    s = str(field)
+    if "####" in s: return gsm8k_gold(s) or None
+    if (boxed := _last_boxed(s)) is not None: return _final(boxed)
+    s = s.strip()
+    if not s or "\n" in s or len(s) > 64: return None
+    words = len(_WORD.findall(s))
+    return s if words <= 3 and not (words >= 2 and s[-1] in ".!?") else None
+
+# %% ../nbs/13_rewards.ipynb
+def check_gold_answers(answers, column: str = "answer", min_share: float = 0.5) -> str:
+    "One line on how many gold answers have a final answer; ConfigError (naming the column, with an example) below `min_share`."
+    answers = list(answers)
+    found = [gold_answer(a) for a in answers]
+    n, ok, marked = len(answers), sum(g is not None for g in found), sum("####" in str(a) for a in answers)
+    if n and ok < min_share * n:
+        bad = next(i for i, g in enumerate(found) if g is None)
+        raise ConfigError(f"column {column!r}: only {ok} of {n} gold answers have a final answer to compare with (a "
+                          "'#### N' line as in GSM8K, a \\boxed{} answer, or a short answer such as a number); "
+                          f"row {bad} is {str(answers[bad])[:200]!r}. Set answer_column= to the column that holds the "
+                          "final answer, or end each answer with '#### <answer>'")
+    return f"column {column!r}: {ok} of {n} gold answers have a final answer ({marked} marked with '####')"
+
+# %% ../nbs/13_rewards.ipynb
 def correctness_reward(prompts: list[str], completions: list[str], answer: list[str], **columns) -> list[float]:
-    "1.0 where the completion's extracted answer equals the gold `answer` column (GSM8K `####` field or bare)."
-    golds = [gsm8k_gold(a) if "####" in a else a for a in map(str, answer)]
+    "1.0 where the completion's extracted answer equals the gold answer of the `answer` column (`####`, \\boxed or bare)."
+    golds = [g if (g := gold_answer(a)) is not None else str(a) for a in answer]
     return [float(answers_match(extract_answer(c), g)) for c, g in zip(completions, golds)]
 
+# %% ../nbs/13_rewards.ipynb
 _FREE = r"(?:(?!</?reasoning>|</?answer>).)*"     # text that contains none of the four tags
 _FORMAT = re.compile(rf"\s*<reasoning>{_FREE}</reasoning>\s*<answer>({_FREE})</answer>\s*", re.S)
 
 def format_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
     "1.0 where the completion is exactly `<reasoning>…</reasoning><answer>…</answer>` (whitespace between allowed)."
     return [float(bool((m := _FORMAT.fullmatch(c)) and m[1].strip())) for c in completions]
+
+# %% ../nbs/13_rewards.ipynb
+def _import_module(module: str):
+    "importlib.import_module, trying the current directory too (after everything else) for a top-level module not found."
+    try: return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        cwd = os.getcwd()
+        if e.name != module.split(".")[0] or cwd in sys.path or "" in sys.path: raise
+        sys.path.append(cwd); importlib.invalidate_caches()
+        try: return importlib.import_module(module)
+        except ModuleNotFoundError as e2:
+            if e2.name == e.name: sys.path.remove(cwd)     # not there either: leave sys.path as it was
+            raise
 
 # %% ../nbs/13_rewards.ipynb
 BUILTIN_REWARDS: dict[str, Callable] = {"correctness": correctness_reward, "format": format_reward}
@@ -165,11 +212,16 @@ def resolve_reward_fn(name: str) -> Callable:
     hint = f"use a built-in ({', '.join(BUILTIN_REWARDS)}) or an import path 'package.module:function'"
     if ":" in name: module, attr = name.split(":", 1)
     elif "." in name: module, attr = name.rsplit(".", 1)
-    else: raise ValueError(f"unknown reward function {name!r}: {hint}")
-    try: obj = importlib.import_module(module)
-    except ImportError as e: raise ValueError(f"reward function {name!r}: cannot import module {module!r} ({e}); {hint}") from e
+    else: raise ConfigError(f"unknown reward function {name!r}: {hint}")
+    try: obj = _import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"reward function {name!r}: cannot import module {module!r} ({e}); it is looked for on sys.path "
+                          f"and in the current directory {os.getcwd()}: put its directory on PYTHONPATH "
+                          f"(PYTHONPATH=/path/to/dir maxpost rl ...) or install it; {hint}") from e
+    except Exception as e:
+        raise ConfigError(f"reward function {name!r}: importing module {module!r} raised {type(e).__name__}: {e}") from e
     for part in attr.split("."):
-        if not hasattr(obj, part): raise ValueError(f"reward function {name!r}: {module!r} has no attribute {attr!r}; {hint}")
+        if not hasattr(obj, part): raise ConfigError(f"reward function {name!r}: {module!r} has no attribute {attr!r}; {hint}")
         obj = getattr(obj, part)
     if not callable(obj): raise TypeError(f"reward function {name!r} is a {type(obj).__name__}, not a callable")
     return obj
@@ -190,6 +242,7 @@ class RewardSpec:
         self.name = self.name or getattr(self.fn, "__name__", type(self.fn).__name__)
         self.weight = float(self.weight)
 
+# %% ../nbs/13_rewards.ipynb
 def as_reward_specs(rewards) -> list[RewardSpec]:
     "Normalise a reward config: a name, a callable, (fn, weight) pairs, {name: weight}, {fn:, weight:, name:} dicts, or a list."
     if isinstance(rewards, (RewardSpec, str)) or callable(rewards): rewards = [rewards]
@@ -206,6 +259,207 @@ def as_reward_specs(rewards) -> list[RewardSpec]:
     return specs
 
 # %% ../nbs/13_rewards.ipynb
+def _as_scores(value, n: int) -> tuple[list[float], int, str | None]:
+    "n scores from a reward function's return value (NaN: no score), the number of unusable values and one of them."
+    if value is None or isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"returned a {type(value).__name__}, not a list of {n} scores")
+    value = list(value)
+    if len(value) != n: raise ValueError(f"returned {len(value)} score(s) for {n} completions")
+    scores, bad = [math.nan] * n, []
+    for i, v in enumerate(value):
+        if v is None: continue                                   # TRL's "no score for this item"
+        x = math.nan
+        if not isinstance(v, (str, bytes)):
+            try: x = float(v)
+            except (TypeError, ValueError, OverflowError): pass
+        if math.isfinite(x): scores[i] = x
+        else: bad.append(v)
+    return scores, len(bad), (repr(bad[0])[:40] if bad else None)
+
+# %% ../nbs/13_rewards.ipynb
+def _describe(e: BaseException) -> str: return f"{type(e).__name__}: {e}"[:300]
+
+def _score_steps(fn, prompts, completions, kw: dict, catch=BaseException):
+    "Call a reward function on the batch, then item by item if that raised; yields the messages its caller waits for."
+    n = len(completions)
+    try: value = fn(prompts, completions, **kw)
+    except catch as e: yield ("raised", _describe(e))
+    else:
+        try: yield ("ok", *_as_scores(value, n))
+        except Exception as e: yield ("wrong", str(e))
+        return
+    scores, invalid, example, raised = [math.nan] * n, 0, None, 0
+    for i in range(n):                                           # one item at a time: a bad item costs only itself
+        try: s, k, ex = _as_scores(fn(prompts[i:i + 1], completions[i:i + 1], **{c: v[i:i + 1] for c, v in kw.items()}), 1)
+        except catch: raised += 1; continue
+        scores[i], invalid, example = s[0], invalid + k, example or ex
+    yield ("items", scores, invalid, example, raised)
+
+# %% ../nbs/13_rewards.ipynb
+_START_S = 120.0        # how long a worker may take to start and load its function
+
+def _serve(fd: int) -> None:
+    "A worker process: load one reward function, then score batches until the trainer closes the connection."
+    signal.signal(signal.SIGINT, signal.SIG_IGN)          # Ctrl-C is for the trainer, which stops its workers
+    conn, parent = Connection(fd), os.getppid()
+    def orphaned():                                       # the trainer died without closing the connection
+        while os.getppid() == parent: time.sleep(1.0)
+        os._exit(0)
+    threading.Thread(target=orphaned, daemon=True).start()
+    try:
+        path, payload = conn.recv()
+        sys.path[:] = path
+        try: fn = pickle.loads(payload)
+        except BaseException as e: conn.send(("load_error", f"the worker cannot load it ({_describe(e)})")); return
+        conn.send(("ready",))
+        while True:
+            prompts, completions, kw = conn.recv()
+            for msg in _score_steps(fn, prompts, completions, kw): conn.send(msg)
+    except (EOFError, OSError): return                    # the trainer closed the connection
+
+# %% ../nbs/13_rewards.ipynb
+class _NotIsolated(Exception): "A reward function that cannot run in a worker process (the message says why)."
+
+def _dumps(fn) -> bytes:
+    "The function pickled for a worker: by reference when importable, by value (cloudpickle, when installed) otherwise."
+    try: import cloudpickle
+    except ImportError: cloudpickle = None
+    if cloudpickle is None and getattr(fn, "__module__", None) == "__main__":
+        raise _NotIsolated("it is defined in __main__ and cloudpickle is not installed (pip install cloudpickle)")
+    try: return (cloudpickle or pickle).dumps(fn)
+    except Exception as e: raise _NotIsolated(f"it cannot be pickled ({_describe(e)})") from None
+
+class _Worker:
+    "One reward function in a Python process of its own; a call past its time limit ends with the process."
+    after_timeout = "its worker process was stopped and a fresh one started"
+
+    def __init__(self, fn):
+        self.payload, self.proc, self.conn, self.ready = _dumps(fn), None, None, False
+
+    def start(self) -> "_Worker":
+        if self.proc is not None: return self
+        import maxpost
+        root = str(Path(maxpost.__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+               "JAX_PLATFORMS": "cpu", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+        ours, theirs = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", f"from maxpost.rewards import _serve; _serve({theirs.fileno()})"],
+                                         pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        except Exception as e:
+            ours.close(); raise _NotIsolated(f"a worker process cannot be started ({_describe(e)})") from None
+        finally: theirs.close()
+        self.conn, self.ready = Connection(ours.detach()), False
+        self.conn.send((list(sys.path), self.payload))
+        return self
+
+    def busy(self) -> bool: return False
+
+    def send(self, fn, prompts, completions, kw):
+        for _ in range(2):                                   # a process that died while idle gets one fresh start
+            self.start()
+            if not self.ready:
+                msg = self.next(_START_S)
+                if msg is None or msg[0] != "ready":
+                    self.stop()
+                    raise _NotIsolated("its worker process did not start" if msg is None else msg[-1])
+                self.ready = True
+            try: return self.conn.send((prompts, completions, kw))   # pickled before anything is written
+            except OSError: self.stop()
+            except Exception as e: raise _NotIsolated(f"its inputs cannot be sent to a process ({_describe(e)})") from None
+        raise _NotIsolated("its worker process ends as soon as it starts")
+
+    def next(self, timeout: float | None):
+        "The worker's next message; None when none came within `timeout` s; ('died', why) when the process ended."
+        try:
+            if not self.conn.poll(timeout): return None
+            return self.conn.recv()
+        except (EOFError, OSError):
+            code = self.proc.poll()
+            self.stop()
+            return ("died", f"ended its worker process (exit code {code})")
+        except BaseException: self.stop(); raise         # Ctrl-C while waiting: the call goes with its process
+
+    def abandon(self): self.stop(); self.start()         # it may be stuck for good: a fresh process for the next call
+
+    def stop(self, grace: float = 0.0):
+        "End the process: close the connection, give it `grace` seconds to exit, then kill it."
+        if self.proc is None: return
+        self.conn.close()
+        try: self.proc.wait(timeout=grace) if grace else None
+        except subprocess.TimeoutExpired: pass
+        if self.proc.poll() is None: self.proc.kill(); self.proc.wait()
+        self.proc = self.conn = None; self.ready = False
+
+# %% ../nbs/13_rewards.ipynb
+class _ThreadRunner:
+    "A reward function in a daemon thread: it shares the trainer's memory, but a call past its time limit cannot be stopped."
+    after_timeout = "a thread cannot be stopped: it is not called again until that call returns"
+
+    def __init__(self): self.thread, self.messages = None, None
+    def busy(self) -> bool: return self.thread is not None and self.thread.is_alive()
+    def send(self, fn, prompts, completions, kw):
+        messages = self.messages = queue.SimpleQueue()
+        def work():
+            for msg in _score_steps(fn, prompts, completions, kw): messages.put(msg)
+        self.thread = threading.Thread(target=work, daemon=True, name="reward"); self.thread.start()
+    def next(self, timeout: float | None):
+        try: return self.messages.get(timeout=timeout)
+        except queue.Empty: return None
+    def abandon(self): pass
+
+class _Inline:
+    "A built-in reward on the caller's thread (Ctrl-C during it stops the run, as anywhere else)."
+    after_timeout = ""
+    def busy(self) -> bool: return False
+    def send(self, fn, prompts, completions, kw): self.steps = _score_steps(fn, prompts, completions, kw, catch=Exception)
+    def next(self, timeout): return next(self.steps)
+    def abandon(self): pass
+
+# %% ../nbs/13_rewards.ipynb
+_RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # fn -> {"process": _Worker, "thread": ..., "why": ...}
+
+def _runners(spec) -> dict:
+    try: return _RUNNERS.setdefault(spec.fn, {})
+    except TypeError: return spec.__dict__.setdefault("_runners", {})  # not hashable or weak-referable: per spec
+
+def _fallback(spec, e: Exception):
+    runners = _runners(spec)
+    if "process" in runners: runners.pop("process").stop()
+    runners["why"] = str(e)
+    _log.warning("reward %r runs in a thread, not a worker process: %s. A thread cannot be stopped, so after a timeout "
+                 "it is not called again until the stuck call returns", spec.name, e)
+
+def _runner(spec, isolation: str):
+    "Where a reward function runs: built-ins inline, others in their worker process (or, failing that, a thread)."
+    if any(spec.fn is f for f in BUILTIN_REWARDS.values()): return _Inline()
+    runners = _runners(spec)
+    if isolation == "process" and "process" not in runners and "why" not in runners:
+        try: worker = runners["process"] = _Worker(spec.fn)
+        except _NotIsolated as e: _fallback(spec, e)
+        else:
+            try: weakref.finalize(spec.fn, worker.stop)
+            except TypeError: weakref.finalize(spec, worker.stop)
+    if isolation == "process" and "process" in runners: return runners["process"]
+    return runners.setdefault("thread", _ThreadRunner())
+
+def start_reward_workers(rewards) -> list[RewardSpec]:
+    "Start (without waiting) the worker process of every reward function that runs in one; returns the specs."
+    specs = as_reward_specs(rewards)
+    for spec in specs:
+        if isinstance(worker := _runner(spec, "process"), _Worker):
+            try: worker.start()
+            except _NotIsolated as e: _fallback(spec, e)
+    return specs
+
+def close_reward_workers(rewards=None, grace: float = 1.0):
+    "End the worker processes of these reward functions, or of all when None (a later call starts fresh ones)."
+    runners = list(_RUNNERS.values()) if rewards is None else [_runners(s) for s in as_reward_specs(rewards)]
+    workers = [r["process"] for r in runners if "process" in r and r["process"].proc is not None]
+    for worker in workers: worker.conn.close()           # all of them told at once, then waited for
+    for worker in workers: worker.stop(grace)
+
+# %% ../nbs/13_rewards.ipynb
 def _columns_for(fn: Callable, columns: dict) -> dict:
     "The dataset columns `fn` can take: all of them if it has **kwargs, else only those it names."
     try: params = inspect.signature(fn).parameters.values()
@@ -214,52 +468,47 @@ def _columns_for(fn: Callable, columns: dict) -> dict:
     names = {p.name for p in params}
     return {k: v for k, v in columns.items() if k in names}
 
-def _start(target) -> threading.Thread:
-    t = threading.Thread(target=target, daemon=True); t.start(); return t
-
-def _scores(value, n: int) -> np.ndarray:
-    "A function's return value as n float64 scores; NaN marks an item that got no usable score."
-    if len(value) != n: raise ValueError(f"returned {len(value)} scores for {n} completions")
-    out = np.full(n, np.nan)
-    for i, v in enumerate(value):
-        try: out[i] = float(v) if v is not None else np.nan
-        except (TypeError, ValueError): pass
-    out[~np.isfinite(out)] = np.nan
-    return out
-
-def _run_one(spec, prompts, completions, columns, timeout_s) -> tuple[np.ndarray, str]:
-    "Scores of one reward function (NaN where it failed) and how it ended: 'ok', 'error', 'timeout'."
-    n, kw, box = len(completions), _columns_for(spec.fn, columns), {}
-    def batch():
-        try: box["scores"] = _scores(spec.fn(prompts, completions, **kw), n)
-        except Exception as e: box["error"] = e
-    t = _start(batch); t.join(timeout_s)
-    if t.is_alive():
-        _log.warning("reward %r ran past %ss; its scores are 0 (its thread keeps running)", spec.name, timeout_s)
-        return np.full(n, np.nan), "timeout"
-    if "scores" in box: return box["scores"], "ok"
-    _log.warning("reward %r raised %r; retrying item by item", spec.name, box["error"])
-    scores = np.full(n, np.nan)          # one item at a time, so one bad item costs only itself
-    def items():
-        for i in range(n):
-            try: scores[i] = _scores(spec.fn(prompts[i:i + 1], completions[i:i + 1], **{k: v[i:i + 1] for k, v in kw.items()}), 1)[0]
-            except Exception: pass
-    t = _start(items); t.join(timeout_s)
-    return scores.copy(), "timeout" if t.is_alive() else "error"
+def _run_one(spec, prompts, completions, columns, timeout_s, isolation) -> tuple[np.ndarray, str]:
+    "Scores of one reward function (NaN where it failed) and how it ended: 'ok', 'error' or 'timeout'."
+    n, kw, name = len(completions), _columns_for(spec.fn, columns), spec.name
+    runner, failed = _runner(spec, isolation), np.full(n, np.nan)
+    if runner.busy():
+        _log.warning("reward %r is still running a call that ran past its time limit; not called: its %d items score 0", name, n)
+        return failed, "timeout"
+    try: runner.send(spec.fn, prompts, completions, kw)
+    except _NotIsolated as e:
+        _fallback(spec, e)
+        runner = _runner(spec, isolation); runner.send(spec.fn, prompts, completions, kw)
+    msg = runner.next(timeout_s)
+    if msg is not None and msg[0] == "raised":
+        _log.warning("reward %r raised %s; retrying item by item", name, msg[1])
+        msg = runner.next(timeout_s)
+    if msg is None:
+        runner.abandon()
+        _log.warning("reward %r ran past %ss; its %d items score 0 (%s)", name, timeout_s, n, runner.after_timeout)
+        return failed, "timeout"
+    if msg[0] in ("wrong", "died"):
+        _log.warning("reward %r %s: an error of the whole batch, its %d items score 0", name, msg[1], n)
+        return failed, "error"
+    scores, invalid, example = msg[1:4]
+    if invalid: _log.warning("reward %r returned %d value(s) that are not finite numbers (e.g. %s); they score 0", name, invalid, example)
+    return np.asarray(scores, np.float64), "ok" if msg[0] == "ok" else "error"
 
 def compute_rewards(rewards, prompts: list[str], completions: list[str], columns: dict | None = None, *,
-                    timeout_s: float | None = 60.0) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
+                    timeout_s: float | None = 60.0, isolation: str = "process") -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
     "(total [N], per-function scores {name: [N]}, metrics): the weighted sum, failed items scoring 0."
+    if isolation not in ("process", "thread"): raise ConfigError(f"isolation must be 'process' or 'thread', got {isolation!r}")
     specs, columns, n = as_reward_specs(rewards), dict(columns or {}), len(completions)
     if len(prompts) != n: raise ValueError(f"{len(prompts)} prompts but {n} completions")
     for k, v in columns.items():
         if k in ("prompts", "completions"): raise ValueError(f"column name {k!r} clashes with a positional argument")
         if len(v) != n: raise ValueError(f"column {k!r} has {len(v)} rows, expected {n}")
     columns = {k: list(v) for k, v in columns.items()}
+    if isolation == "process": start_reward_workers(specs)    # they boot side by side
     per_function, metrics, total = {}, {}, np.zeros(n)
     for spec in specs:
         t0 = time.perf_counter()
-        scores, how = _run_one(spec, list(prompts), list(completions), columns, timeout_s)
+        scores, how = _run_one(spec, list(prompts), list(completions), columns, timeout_s, isolation)
         failed = np.isnan(scores)
         scores = np.where(failed, 0.0, scores)
         per_function[spec.name] = scores.astype(np.float32)
@@ -269,6 +518,5 @@ def compute_rewards(rewards, prompts: list[str], completions: list[str], columns
                     f"rewards/{spec.name}/failures": int(failed.sum()),
                     f"rewards/{spec.name}/timeout": int(how == "timeout"),
                     f"rewards/{spec.name}/seconds": time.perf_counter() - t0}
-    metrics |= {"rewards/total/mean": float(total.mean()) if n else 0.0, "rewards/total/std": float(total.std()) if n else 0.0,
-                "rewards/failures": sum(metrics[f"rewards/{s.name}/failures"] for s in specs)}
+    metrics["rewards/failures"] = sum(metrics[f"rewards/{s.name}/failures"] for s in specs)
     return total.astype(np.float32), per_function, metrics

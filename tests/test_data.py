@@ -1,12 +1,13 @@
 """maxpost.data: chat-template loss masks, formats, truncation, packing, the resumable iterator, local files."""
-import json
+import json, re
 
 import numpy as np
 import pytest
 
-from maxpost.data import (BatchIterator, Examples, detect_format, encode_chat, encode_example, encode_prompt,
-                          load_dataset_split, load_tokenizer, make_rows, make_sft_iterator, pack_best_fit,
-                          tokenize_dataset)
+from maxpost.config import ConfigError
+from maxpost.data import (BatchIterator, Examples, check_examples, dataset_splits, detect_format, encode_chat,
+                          encode_example, encode_prompt, load_dataset_split, load_tokenizer, make_rows,
+                          make_sft_iterator, pack_best_fit, same_rows, tokenize_dataset)
 
 END = "<|im_end|>"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -365,7 +366,7 @@ def test_jsonl_parquet_and_directory_load(tmp_path):
     ds = load_dataset_split(str(tmp_path / "chat.jsonl"))
     assert ds.column_names == ["messages"] and ds[1]["messages"] == CONVERSATION[:5]
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "chat.parquet"))
-    ds = load_dataset_split(tmp_path / "chat.parquet", "validation")
+    ds = load_dataset_split(tmp_path / "chat.parquet", "train")
     assert len(ds) == 2 and ds[0]["messages"] == CONVERSATION[:3]
     d = tmp_path / "dir"; d.mkdir()
     _write_jsonl(d / "train.jsonl", GSM8K); _write_jsonl(d / "test.jsonl", GSM8K[:1])
@@ -373,6 +374,7 @@ def test_jsonl_parquet_and_directory_load(tmp_path):
     assert load_dataset_split(d, "train[:2]")["question"] == [r["question"] for r in GSM8K[:2]]
     datasets.DatasetDict({"train": datasets.Dataset.from_list(GSM8K)}).save_to_disk(str(tmp_path / "saved"))
     assert len(load_dataset_split(tmp_path / "saved", "train")) == 3
+    assert load_dataset_split(tmp_path / "saved", "train[1:]")["question"] == [r["question"] for r in GSM8K[1:]]
     assert len(load_dataset_split("unused", "train", data_files=[str(d / "train.jsonl")])) == 3
     with pytest.raises(ValueError, match="file type"):
         load_dataset_split("x", data_files="data.bin")
@@ -397,3 +399,102 @@ def test_gsm8k_jsonl_trains_on_answers(tok, tmp_path):
     assert all(any(r["question"] in q for r in GSM8K) for q in questions)
     # all tokens of a row share the padded pad id beyond the data
     assert b["tokens"].dtype == np.int32
+
+
+# ---------------------------------------------------------------- splits that do not exist, unreadable files
+
+
+def test_a_data_file_has_one_split_and_other_names_fail(tmp_path):
+    import datasets
+    path = _write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K)
+    assert dataset_splits(path) == ["train"]
+    assert load_dataset_split(path, "train[:1]")["question"] == [GSM8K[0]["question"]]      # slices keep working
+    assert load_dataset_split(path, "train[-2:]")["question"] == [r["question"] for r in GSM8K[1:]]
+    for split in ("test", "validation_does_not_exist", "train+test"):                      # not the training rows again
+        with pytest.raises(ConfigError, match=r"has no split '(test|validation_does_not_exist)'; its split\(s\): \['train'\]"
+                                              r".*eval_dataset_name="):
+            load_dataset_split(path, split)
+    with pytest.raises(ConfigError, match="no split 'test'"):
+        load_dataset_split("unused", "test", data_files=[str(path)])
+    d = tmp_path / "dir"; d.mkdir()
+    _write_jsonl(d / "train.jsonl", GSM8K); _write_jsonl(d / "test.jsonl", GSM8K[:1])
+    assert sorted(dataset_splits(d)) == ["test", "train"]
+    with pytest.raises(ConfigError, match=r"no split 'validation'; its split\(s\): \['(train|test)', '(train|test)'\]"):
+        load_dataset_split(d, "validation")
+    datasets.Dataset.from_list(GSM8K).save_to_disk(str(tmp_path / "one"))                  # save_to_disk of one Dataset
+    assert dataset_splits(tmp_path / "one") == ["train"] and len(load_dataset_split(tmp_path / "one", "train[:2]")) == 2
+    with pytest.raises(ConfigError, match="no split 'test'"):
+        load_dataset_split(tmp_path / "one", "test")
+    with pytest.raises(ConfigError, match="cannot read the split"):
+        load_dataset_split(path, "train[:2")
+
+
+def test_same_rows_compares_sources_and_slices(tmp_path):
+    d = tmp_path / "dir"; d.mkdir()
+    train, test = _write_jsonl(d / "train.jsonl", GSM8K), _write_jsonl(d / "test.jsonl", GSM8K[:1])
+    assert same_rows((d, "train"), (train, "train"))                 # a directory's split and its file: the same rows
+    assert same_rows((str(train), "train"), (tmp_path / "dir" / ".." / "dir" / "train.jsonl", "train[2:]"))
+    assert not same_rows((d, "test"), (d, "train"))                  # another file (even with equal content)
+    assert not same_rows((train, "train[:1]"), (train, "train[1:]"))
+    assert not same_rows((train, "train[:67%]"), (train, "train[67%:]"))
+    assert same_rows((train, "train[:2]"), (train, "train[-2:]"))     # 3 rows: row 1 is in both
+    assert not same_rows((train, "train[:1]"), (train, "train[-2:]"))
+    assert same_rows((d, "test+train[:1]"), (train, "train"))
+    assert same_rows(("openai/gsm8k", "train", "main"), ("openai/gsm8k", "train", "main"))
+    assert not same_rows(("openai/gsm8k", "train", "main"), ("openai/gsm8k", "test", "main"))
+    assert not same_rows(("openai/gsm8k", "train", "main"), ("openai/gsm8k", "train", "socratic"))
+    with pytest.raises(ConfigError, match="no split 'test'"):
+        same_rows((train, "test"), (train, "train"))
+
+
+def test_unreadable_files_are_named(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    latin1 = '{"question": "q", "answer": "caf\u00e9"}\n'
+    (tmp_path / "latin1.jsonl").write_bytes(latin1.encode("latin-1"))
+    (tmp_path / "broken.jsonl").write_text('{"question": "q", "answer": "a"}\n{"question": \n')
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    cases = {"empty.jsonl": "empty.jsonl is empty", "blank.jsonl": "blank.jsonl has no rows",
+             "latin1.jsonl": f"latin1.jsonl is not UTF-8 text: byte 0xe9 at offset {latin1.index(chr(0xe9))} (line 1)",
+             "broken.jsonl": "broken.jsonl", "empty.parquet": "empty.parquet is empty", "missing.jsonl": "missing.jsonl does not exist"}
+    for name, message in cases.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_dataset_split(tmp_path / name)
+    d = tmp_path / "dir"; d.mkdir()
+    _write_jsonl(d / "train.jsonl", GSM8K); (d / "test.jsonl").write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match="test.jsonl is not UTF-8"):
+        load_dataset_split(d, "test")
+
+
+# ---------------------------------------------------------------- dropped examples are reported
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    from maxpost import tasks
+    return tasks.prepare_embedded(tmp_path_factory.mktemp("embedded"), n_train=64, n_test=8)
+
+
+def test_check_examples_refuses_a_split_that_is_mostly_dropped(embedded):
+    # the embedded SFT data at max_target_length=64: the prompt (system + question) alone is longer than that
+    tok = load_tokenizer(embedded["tokenizer"])
+    rows = list(load_dataset_split(embedded["sft_train"]))
+    full = [encode_example(tok, r, "messages") for r in rows]
+    L = 64
+    want_dropped = sum(1 for _, m in full if not any(m[:L]))
+    want_truncated = sum(len(t) > L for t, _ in full)
+    assert want_dropped > len(rows) / 2                           # the issue's reproduction: most are dropped
+    it = make_sft_iterator(tok, embedded["sft_train"], max_target_length=L, global_batch_size=2, process_index=0, process_count=1)
+    ex = it.examples                                               # the counts are reachable from the iterator
+    assert (ex.num_dropped, ex.num_truncated, len(ex)) == (want_dropped, want_truncated, len(rows) - want_dropped)
+    assert ex.max_length == max(len(t) for t, _ in full)
+    with pytest.raises(ConfigError, match=rf"train split: {want_dropped} of {len(rows)} examples .* max_target_length={L} "
+                                          rf".*max_dropped_share=0.5.*longest example has {ex.max_length} tokens"):
+        check_examples(ex, max_target_length=L)
+    assert check_examples(ex, max_target_length=L, max_dropped_share=1.0).startswith(f"train split: {len(rows)} examples")
+    L = max(len(t) for t, _ in full)
+    it = make_sft_iterator(tok, embedded["sft_train"], max_target_length=L, global_batch_size=2, process_index=0, process_count=1)
+    tokens = sum(len(t) for t, _ in full); targets = sum(sum(m) for _, m in full)
+    assert check_examples(it.examples, max_target_length=L, what="eval split") == (
+        f"eval split: {len(rows)} examples, 0 truncated to max_target_length={L}, 0 dropped (no target left), "
+        f"{len(rows)} kept with {tokens} tokens ({targets} targets)")

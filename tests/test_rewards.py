@@ -1,13 +1,21 @@
 """Answer extraction, answer matching, the built-in rewards and the safety of `compute_rewards`."""
-import sys, time, types
+import logging, os, sys, threading, time, types
 from fractions import Fraction
 
 import numpy as np
 import pytest
 
 from maxpost import rewards
-from maxpost.rewards import (answers_match, compute_rewards, correctness_reward, extract_answer, format_reward,
-                             gsm8k_gold, resolve_reward_fn, RewardSpec, as_reward_specs)
+from maxpost.config import ConfigError
+from maxpost.rewards import (answers_match, check_gold_answers, close_reward_workers, compute_rewards, correctness_reward,
+                             extract_answer, format_reward, gold_answer, gsm8k_gold, resolve_reward_fn, RewardSpec,
+                             as_reward_specs, start_reward_workers)
+
+@pytest.fixture(autouse=True)
+def _end_worker_processes():
+    yield
+    close_reward_workers()                                              # none left idle for the rest of the suite
+
 
 # (completion, expected extracted answer), each reasoned out by hand from the documented rules.
 EXTRACT_CASES = [
@@ -118,7 +126,7 @@ def test_failing_and_slow_functions_score_zero_and_are_counted():
     comps = ["<reasoning>r</reasoning><answer>3</answer>", "boom", "3", "4"]
     t0 = time.perf_counter()
     total, per, m = compute_rewards([("correctness", 2.0), _boom, sleepy, weird, short], ["p"] * 4, comps,
-                                    {"answer": ["#### 3"] * 4}, timeout_s=0.3)
+                                    {"answer": ["#### 3"] * 4}, timeout_s=1.0)
     assert time.perf_counter() - t0 < 15                    # did not wait for the 30 s sleeper
     np.testing.assert_array_equal(per["correctness"], [1, 0, 1, 0])
     np.testing.assert_array_equal(per["_boom"], [1, 0, 1, 1]); assert m["rewards/_boom/failures"] == 1
@@ -128,14 +136,18 @@ def test_failing_and_slow_functions_score_zero_and_are_counted():
     np.testing.assert_array_equal(per["short"], [0, 0, 0, 0]); assert m["rewards/short/failures"] == 4
     np.testing.assert_allclose(total, 2 * per["correctness"] + per["_boom"] + per["weird"])
     assert m["rewards/failures"] == 1 + 4 + 3 + 4
-    assert m["rewards/correctness/mean"] == pytest.approx(0.5) and m["rewards/total/mean"] == pytest.approx(total.mean())
+    assert m["rewards/correctness/mean"] == pytest.approx(0.5)
 
 def test_columns_by_name_and_validation():
     seen = {}
     def named(prompts, completions, level): return [float(x) for x in level]
     def kwargs(prompts, completions, **columns): seen.update(columns); return [0.0] * len(completions)
-    total, per, _ = compute_rewards([named, kwargs], ["a", "b"], ["x", "y"], {"level": [1, 2], "other": ["u", "v"]})
+    total, per, _ = compute_rewards([named, kwargs], ["a", "b"], ["x", "y"], {"level": [1, 2], "other": ["u", "v"]},
+                                    isolation="thread")                 # `kwargs` records what it saw: shared memory
     np.testing.assert_array_equal(per["named"], [1, 2]); assert seen == {"level": [1, 2], "other": ["u", "v"]}
+    def sizes(prompts, completions, **columns): return [float(len(columns["other"][i])) for i in range(len(completions))]
+    _, per, _ = compute_rewards([named, sizes], ["a", "b"], ["x", "y"], {"level": [1, 2], "other": ["u", "vw"]})
+    np.testing.assert_array_equal(per["named"], [1, 2]); np.testing.assert_array_equal(per["sizes"], [1, 2])  # in a process
     with pytest.raises(ValueError, match="rows"): compute_rewards("format", ["a"], ["x"], {"level": [1, 2]})
     with pytest.raises(ValueError, match="prompts"): compute_rewards("format", ["a", "b"], ["x"])
     with pytest.raises(ValueError, match="clashes"): compute_rewards("format", ["a"], ["x"], {"prompts": ["a"]})
@@ -165,3 +177,160 @@ def test_reward_specs():
     assert [(s.name, s.weight) for s in specs] == [("format", 0.5), ("acc", 2.0), ("fmt2", 1.0)]
     assert [s.name for s in as_reward_specs(correctness_reward)] == ["correctness_reward"]
     with pytest.raises(ValueError, match="unique"): as_reward_specs([format_reward, format_reward])
+
+
+# ---------------------------------------------------------------- gold answers
+
+
+@pytest.mark.parametrize("field,expected", [
+    ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "72"),
+    ("#### 1,500", "1500"),
+    (r"We get $x = \boxed{\frac{3}{4}}$.", "0.75"),                   # a MATH solution: its boxed answer
+    (r"so \boxed{\dfrac{1}{2}} cups", "0.5"),
+    ("12", "12"), ("-0.5", "-0.5"), (r"\frac{\sqrt{3}}{2}", r"\frac{\sqrt{3}}{2}"), (r"\text{(C)}", r"\text{(C)}"),
+    ("Monday", "Monday"), ("New York City", "New York City"), ("x^2 + 7x + 10", "x^2 + 7x + 10"),
+    ("Natalia sold 72 clips.", None),                                   # a sentence is not an answer
+    ("Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether.", None),   # GSM8K without ####
+    ("She sold forty-eight clips in April and twenty-four in May", None),
+    ("#### ", None), ("", None), (None, None),
+])
+def test_gold_answer(field, expected):
+    assert gold_answer(field) == expected
+
+
+def test_check_gold_answers_refuses_a_column_without_final_answers():
+    sentences = ["Natalia sold 72 clips.", "Weng earned 10 dollars.", "The answer is seven apples."] * 3 + ["#### 4"]
+    with pytest.raises(ConfigError, match=r"column 'answer': only 1 of 10 gold answers have a final answer.*"
+                                          r"row 0 is 'Natalia sold 72 clips\.'.*answer_column="):
+        check_gold_answers(sentences)
+    with pytest.raises(ConfigError, match="column 'solution'"):
+        check_gold_answers(sentences, column="solution")
+    # GSM8K, MATH-style short answers and boxed solutions all pass; so does a minority of sentences
+    assert check_gold_answers(["x\n#### 72", "#### 5"]) == "column 'answer': 2 of 2 gold answers have a final answer (2 marked with '####')"
+    assert check_gold_answers([r"\frac{1}{2}", "10", r"so \boxed{3}", "Monday"]).startswith("column 'answer': 4 of 4")
+    assert check_gold_answers(sentences[:3] + ["1", "2", "3", "4"]).startswith("column 'answer': 4 of 7")
+    with pytest.raises(ConfigError): check_gold_answers(sentences[:3] + ["1"], min_share=0.5)
+    assert check_gold_answers([]).startswith("column 'answer': 0 of 0")
+    # without the check, such a column scores every completion 0: the failure the check exists for
+    assert correctness_reward(["p"], ["<answer>72</answer>"], answer=["Natalia sold 72 clips."]) == [0.0]
+
+
+# ---------------------------------------------------------------- what a reward function returns
+
+
+def one_score(prompts, completions, **_): return [1.0]
+def a_float(prompts, completions, **_): return 1.0
+def not_finite(prompts, completions, **_): return [1.0, float("nan"), float("inf"), "0.5"][:len(completions)]
+def exits(prompts, completions, **_):
+    if any("exit" in c for c in completions): raise SystemExit(3)
+    return [1.0] * len(completions)
+def interrupts(prompts, completions, **_): raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_a_wrong_length_fails_the_whole_batch(isolation, caplog):
+    with caplog.at_level(logging.WARNING, logger="maxpost.rewards"):
+        total, per, m = compute_rewards([one_score, a_float], ["p"] * 4, ["a", "b", "c", "d"], isolation=isolation)
+    np.testing.assert_array_equal(per["one_score"], [0, 0, 0, 0])      # not 1.0 for every item after a retry
+    np.testing.assert_array_equal(per["a_float"], [0, 0, 0, 0])
+    assert m["rewards/one_score/failures"] == 4 and m["rewards/a_float/failures"] == 4 and m["rewards/failures"] == 8
+    assert "returned 1 score(s) for 4 completions" in caplog.text and "returned a float, not a list" in caplog.text
+    # a batch of one is the right length
+    assert compute_rewards(one_score, ["p"], ["a"], isolation=isolation)[1]["one_score"].tolist() == [1.0]
+    close_reward_workers([one_score, a_float])
+
+
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_values_that_are_not_finite_numbers_warn(isolation, caplog):
+    with caplog.at_level(logging.WARNING, logger="maxpost.rewards"):
+        _, per, m = compute_rewards(not_finite, ["p"] * 4, ["a"] * 4, isolation=isolation)
+    np.testing.assert_array_equal(per["not_finite"], [1, 0, 0, 0]); assert m["rewards/not_finite/failures"] == 3
+    assert "reward 'not_finite' returned 3 value(s) that are not finite numbers (e.g. nan)" in caplog.text
+    close_reward_workers(not_finite)
+
+
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_system_exit_and_keyboard_interrupt_in_a_reward_are_failures(isolation):
+    comps = ["ok", "exit", "ok"]
+    for _ in range(2):                                                  # and the worker keeps working afterwards
+        _, per, m = compute_rewards([exits, interrupts], ["p"] * 3, comps, isolation=isolation, timeout_s=30)
+        np.testing.assert_array_equal(per["exits"], [1, 0, 1]); assert m["rewards/exits/failures"] == 1
+        np.testing.assert_array_equal(per["interrupts"], [0, 0, 0]); assert m["rewards/interrupts/failures"] == 3
+    close_reward_workers([exits, interrupts])
+
+
+def test_metric_names_follow_trl_without_duplicates():
+    _, _, m = compute_rewards({"correctness": 1.0, "format": 0.5}, ["p"], ["<answer>1</answer>"], {"answer": ["1"]})
+    per = {f"rewards/{n}/{k}" for n in ("correctness", "format") for k in ("mean", "std", "failures", "timeout", "seconds")}
+    assert set(m) == per | {"rewards/failures"}                       # no rewards/total/*: the trainer logs reward, reward_std
+
+
+# ---------------------------------------------------------------- a reward function that hangs
+
+
+def spin(prompts, completions, **_):
+    if any("loop" in c for c in completions):
+        while True: pass
+    return [float(len(c)) for c in completions]
+
+
+def _alive(pid):
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    return True
+
+
+def test_a_stuck_reward_is_stopped_and_nothing_leaks():
+    specs = start_reward_workers([spin])
+    threads, pids = threading.active_count(), []
+    for _ in range(3):                                                  # one stuck call per step
+        pids.append(rewards._runners(specs[0])["process"].proc.pid)  # the worker this call goes to
+        _, per, m = compute_rewards(specs, ["p"] * 2, ["a loop", "b"], timeout_s=0.5)
+        assert m["rewards/spin/timeout"] == 1 and m["rewards/spin/failures"] == 2
+        assert threading.active_count() == threads                     # no thread left spinning in the trainer
+        assert not _alive(pids[-1])                                     # the stuck worker process is gone
+    _, per, m = compute_rewards(specs, ["p"] * 2, ["abc", "de"], timeout_s=30)   # the fresh worker scores again
+    np.testing.assert_array_equal(per["spin"], [3, 2]); assert m["rewards/spin/timeout"] == 0
+    close_reward_workers(specs)
+
+
+def test_in_a_thread_a_stuck_reward_is_not_called_again_until_it_returns():
+    release, calls = threading.Event(), []
+    def blocks(prompts, completions, **_):
+        calls.append(list(completions))
+        if "block" in completions: release.wait(60)
+        return [1.0] * len(completions)
+    specs, threads = as_reward_specs(blocks), threading.active_count()
+    _, _, m = compute_rewards(specs, ["p"], ["block"], timeout_s=0.2, isolation="thread")
+    assert m["rewards/blocks/timeout"] == 1 and len(calls) == 1
+    for _ in range(3):                                                  # not called while the first call still runs
+        _, per, m = compute_rewards(specs, ["p"], ["x"], timeout_s=0.2, isolation="thread")
+        assert m["rewards/blocks/timeout"] == 1 and per["blocks"].tolist() == [0.0] and len(calls) == 1
+    assert threading.active_count() == threads + 1                     # one stuck thread, not one per step
+    release.set(); time.sleep(0.2)
+    _, per, m = compute_rewards(specs, ["p"], ["x"], timeout_s=5, isolation="thread")
+    assert per["blocks"].tolist() == [1.0] and len(calls) == 2
+
+
+def test_a_function_that_cannot_be_pickled_runs_in_a_thread(caplog):
+    lock = threading.Lock()                                             # a lock does not pickle, even with cloudpickle
+    def locked(prompts, completions, **_):
+        with lock: return [2.0] * len(completions)
+    with caplog.at_level(logging.WARNING, logger="maxpost.rewards"):
+        _, per, _ = compute_rewards(locked, ["p"], ["a"])
+    assert per["locked"].tolist() == [2.0] and "runs in a thread, not a worker process" in caplog.text
+
+
+def test_a_reward_module_in_the_working_directory(tmp_path, monkeypatch):
+    # the console script does not put the current directory on sys.path; resolve_reward_fn looks there last
+    (tmp_path / "cwd_rewards.py").write_text("def half(prompts, completions, **kw): return [0.5] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    fn = resolve_reward_fn("cwd_rewards:half")
+    assert fn(["p"], ["c"]) == [0.5] and sys.path[-1] == str(tmp_path)
+    _, per, _ = compute_rewards("cwd_rewards:half", ["p"], ["c"])        # and its worker process finds it too
+    assert per["half"].tolist() == [0.5]
+    close_reward_workers(fn)
+    with pytest.raises(ConfigError, match=r"cannot import module 'no_such_rewards'.*current directory.*PYTHONPATH="):
+        resolve_reward_fn("no_such_rewards:fn")
+    assert sys.path[-1] == str(tmp_path) and sys.path.count(str(tmp_path)) == 1
