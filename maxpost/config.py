@@ -124,7 +124,8 @@ class RLConfig(TrainConfig, GenerationConfig):
     mini_batch_size: int = 0  # rows per optimizer step within a rollout batch (whole groups); 0 = all
     reward_functions: list[str] = field(default_factory=lambda: ["correctness", "format"])
     reward_weights: list[float] = field(default_factory=lambda: [1.0, 0.1])
-    reward_timeout_s: float = 10.0
+    reward_timeout_s: float = 10.0  # a reward call past it scores 0 (its worker process is restarted)
+    reward_isolation: str = "process"  # process: a worker process per function (a timeout stops it) | thread
     rollout_engine: str = "maxpost"
 
 
@@ -140,10 +141,10 @@ CHOICES = {   # key -> the tuple of valid words, or "module:NAME" of the code th
     "dtype": DTYPES, "param_dtype": DTYPES,
     "remat_policy": ("none", "full"), "attention": ("auto", "xla"),  # MERGE-TODO: maxpost.model owners
     "lr_schedule": "maxpost.train:LR_SCHEDULES",
-    "data_format": ("auto", "messages", "prompt_completion", "question_answer", "text"), "train_on": ("auto", "all"),  # MERGE-TODO
+    "data_format": "maxpost.data:DATA_FORMATS", "train_on": "maxpost.data:TRAIN_ON",
     "loss_algo": "maxpost.policy_loss:LOSS_ALGOS", "kl_estimator": "maxpost.policy_loss:KL_ESTIMATORS",
     "loss_agg_mode": "maxpost.policy_loss:LOSS_AGG_CHOICES", "advantage_scale": "maxpost.advantages:SCALES",
-    "rollout_engine": "maxpost.rl:ROLLOUT_ENGINES",
+    "rollout_engine": "maxpost.rl:ROLLOUT_ENGINES", "reward_isolation": "maxpost.rewards:REWARD_ISOLATION",
 }
 
 # %% ../nbs/00_config.ipynb

@@ -15,9 +15,10 @@ import numpy as np
 from .config import ConfigError
 
 # %% auto 0
-__all__ = ['FORMATS', 'load_tokenizer', 'detect_format', 'dataset_splits', 'load_dataset_split', 'same_rows', 'assistant_spans',
-           'encode_chat', 'show_mask', 'encode_example', 'Examples', 'tokenize_dataset', 'check_examples',
-           'pack_best_fit', 'make_rows', 'padding_fraction', 'BatchIterator', 'make_sft_iterator', 'encode_prompt']
+__all__ = ['FORMATS', 'DATA_FORMATS', 'TRAIN_ON', 'load_tokenizer', 'detect_format', 'dataset_splits', 'load_dataset_split',
+           'same_rows', 'assistant_spans', 'encode_chat', 'show_mask', 'encode_example', 'Examples', 'tokenize_dataset',
+           'check_examples', 'pack_best_fit', 'make_rows', 'padding_fraction', 'BatchIterator', 'make_sft_iterator',
+           'encode_prompt']
 
 # %% ../nbs/04_data.ipynb
 def load_tokenizer(path: str | Path, *, chat_template: str | None = None):
@@ -38,6 +39,8 @@ def load_tokenizer(path: str | Path, *, chat_template: str | None = None):
 
 # %% ../nbs/04_data.ipynb
 FORMATS = ("messages", "prompt_completion", "question_answer", "text")
+DATA_FORMATS = ("auto", *FORMATS)   # what a config may say: a format, or detect it
+TRAIN_ON = ("auto", "all")          # the assistant / completion tokens, or every token
 _ALIASES = {"conversational": "messages", "chat": "messages", "qa": "question_answer"}
 
 def _columns(messages_column="messages", prompt_column="prompt", completion_column="completion",
@@ -297,7 +300,7 @@ def encode_example(tokenizer, example: dict, data_format: str = "auto", *, train
                    use_chat_template: bool | None = None, system_prompt: str | None = None,
                    chat_template_kwargs: dict | None = None, **columns) -> tuple[list[int], list[int]]:
     "Tokens and loss mask of one example; train_on='auto' trains on assistant turns / completions, 'all' on every token."
-    if train_on not in ("auto", "all"): raise ValueError(f"train_on must be 'auto' or 'all', got {train_on!r}")
+    if train_on not in TRAIN_ON: raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
     fmt = detect_format(list(example), **columns) if data_format == "auto" else _ALIASES.get(data_format, data_format)
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if fmt == "text":

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import tasks
 from .config import RunConfig, ConfigError, load_config, run_dir
-from .rewards import extract_answer, answers_match, format_reward, gsm8k_gold
+from .rewards import extract_answer, answers_match, format_reward, gsm8k_gold, check_gold_answers
 from .prompts import prompt_token_ids, stop_token_ids
 
 # %% auto 0
@@ -29,8 +29,9 @@ def _rows(cfg: RunConfig, split: str, source: str):
     if split != "train": return load_dataset_split(path, split)       # a slice
     with open(path) as f: return [json.loads(line) for line in f]
 
-def load_examples(cfg: RunConfig, split: str, *, source: str | None = None, num_prompts: int = 0) -> list[dict]:
-    "The first `num_prompts` (0 = all) examples of `split` of `source` (default `dataset_name`): original columns plus `question` and gold `answer`."
+def load_examples(cfg: RunConfig, split: str, *, source: str | None = None, num_prompts: int = 0,
+                  check_gold: bool = True) -> list[dict]:
+    "The first `num_prompts` (0 = all) examples of `split` of `source` (default `dataset_name`): original columns plus `question` and gold `answer` (checked to hold final answers)."
     source = cfg.dataset_name if source is None else source
     qcol, acol = getattr(cfg, "question_column", "question"), getattr(cfg, "answer_column", "answer")
     rows = _rows(cfg, split, source)
@@ -40,6 +41,7 @@ def load_examples(cfg: RunConfig, split: str, *, source: str | None = None, num_
                           f"columns found: {names}. Set question_column= / answer_column=")
     rows = rows.select(range(min(num_prompts, len(rows)))) if hasattr(rows, "select") and num_prompts else \
            rows[:num_prompts] if num_prompts else rows
+    if check_gold: check_gold_answers([row[acol] for row in rows], column=acol)
     return [{**row, "question": str(row[qcol]), "answer": gsm8k_gold(str(row[acol]))} for row in rows]
 
 # %% ../nbs/14_evaluate.ipynb

@@ -15,7 +15,7 @@ from .config import RLConfig, ConfigError, load_config, run_dir
 from . import sharding
 from .advantages import group_advantages
 from .policy_loss import policy_loss
-from .rewards import as_reward_specs, compute_rewards
+from .rewards import as_reward_specs, compute_rewards, correctness_reward, start_reward_workers, close_reward_workers
 from .sampling import Rollout, generate, completion_logps
 from .prompts import prompt_token_ids, stop_token_ids
 from .evaluate import load_examples, load_eval_examples, evaluate, eval_options
@@ -187,7 +187,9 @@ class RLTrainer(Trainer):
         self.ref_params = jax.tree.map(jnp.copy, self.params) if cfg.beta > 0 else None
         self.rewards = as_reward_specs(reward_fns if reward_fns is not None else
                                        list(zip(cfg.reward_functions, cfg.reward_weights)))
-        self.prompts = PromptIterator(load_examples(cfg, cfg.train_split), seed=cfg.seed)
+        if cfg.reward_isolation == "process": start_reward_workers(self.rewards)   # they boot while the rest loads
+        correctness = any(s.fn is correctness_reward for s in self.rewards)
+        self.prompts = PromptIterator(load_examples(cfg, cfg.train_split, check_gold=correctness), seed=cfg.seed)
         self.eval_examples = load_eval_examples(cfg)
         self.logps_fn = make_logps_fn(self.graphdef, cfg.temperature, G, A * (B // self.mini_batch))
         self.step_fn = make_rl_step(self.graphdef, self.tx, loss_options(cfg), cfg.temperature, G, A)
@@ -208,7 +210,8 @@ class RLTrainer(Trainer):
         t_roll = time.perf_counter() - t0
         columns = {k: [e[k] for e in examples for _ in range(G)] for k in examples[0] if k != "question"}
         total, _, reward_metrics = compute_rewards(self.rewards, [e["question"] for e in examples for _ in range(G)],
-                                                   r.text, columns, timeout_s=cfg.reward_timeout_s)
+                                                   r.text, columns, timeout_s=cfg.reward_timeout_s,
+                                                   isolation=cfg.reward_isolation)
         adv = np.asarray(group_advantages(jnp.asarray(total), G, scale=cfg.advantage_scale), np.float32)
         batch = dict(prompt_ids=r.prompt_ids, prompt_mask=r.prompt_mask, completion_ids=r.completion_ids,
                      completion_mask=r.completion_mask, advantages=adv)
@@ -255,6 +258,7 @@ class RLTrainer(Trainer):
     def data_state(self) -> dict: return self.prompts.state()
     def restore_data(self, state: dict) -> None: self.prompts.restore(state)
     def after_restore(self) -> None: self.engine.sync_weights(self.model)
+    def close(self) -> None: close_reward_workers(self.rewards)
 
 # %% ../nbs/15_rl.ipynb
 def train_rl(cfg: RLConfig, *, progress: bool = True, reward_fns=None) -> dict:

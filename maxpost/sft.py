@@ -12,14 +12,14 @@ from flax import nnx
 
 from .config import SFTConfig, TrainConfig, ConfigError, load_config, run_dir
 from . import sharding, tasks
-from .data import load_tokenizer, make_sft_iterator
+from .data import load_tokenizer, make_sft_iterator, check_examples
 from .sft_loss import sft_loss, target_weights, summarize_metrics
 from .train import (Trainer, embedded_task_dir, embedded_split, eval_source, check_held_out, run_command,
                            print_summary, all_finite, flops_per_token)
 
 # %% auto 0
-__all__ = ['split_micro_batches', 'make_sft_step', 'make_eval_step', 'sft_data', 'evaluate_loss', 'report_examples', 'SFTTrainer',
-           'train_sft', 'main']
+__all__ = ['split_micro_batches', 'make_sft_step', 'make_eval_step', 'sft_data', 'evaluate_loss', 'SFTTrainer', 'train_sft',
+           'main']
 
 # %% ../nbs/09_sft.ipynb
 def split_micro_batches(batch: dict, accum: int) -> dict:
@@ -97,18 +97,6 @@ def _check_batch(cfg: SFTConfig, mesh) -> None:
                           f"{n} batch shards (data x fsdp) of the mesh")
 
 # %% ../nbs/09_sft.ipynb
-def report_examples(examples, *, max_target_length: int, max_dropped_share: float, what: str) -> str:
-    "One line on how many examples truncation cut and dropped; `ConfigError` when more than `max_dropped_share` were dropped."
-    kept, dropped, cut = len(examples), examples.num_dropped, examples.num_truncated
-    total = kept + dropped
-    line = (f"{what}: {total} examples, {cut} truncated to max_target_length={max_target_length}, {dropped} dropped "
-            f"(no target token left), {int(examples.lengths.sum())} tokens")
-    if total and dropped / total > max_dropped_share:
-        raise ConfigError(f"{line}: more than max_dropped_share={max_dropped_share} of the data is dropped; raise "
-                          "max_target_length (or max_dropped_share to accept it)")
-    return line
-
-# %% ../nbs/09_sft.ipynb
 class SFTTrainer(Trainer):
     "SFT: packed demonstrations through one jitted, donated step with gradient accumulation; evaluation by held-out loss."
     kind, summary_keys = "sft", ("loss", "mean_token_accuracy")
@@ -120,8 +108,8 @@ class SFTTrainer(Trainer):
         self.eval_it = sft_data(cfg, self.tokenizer, cfg.eval_split, shuffle=False, num_epochs=1, source=eval_source(cfg))
         self._eval_start = self.eval_it.state()
         for what, it in (("train split", self.train_it), ("eval split", self.eval_it)):
-            line = report_examples(it.examples, max_target_length=cfg.max_target_length,
-                                   max_dropped_share=cfg.max_dropped_share, what=what)
+            line = check_examples(it.examples, max_target_length=cfg.max_target_length,
+                                  max_dropped_share=cfg.max_dropped_share, what=what)
             if progress and jax.process_index() == 0: print(line, file=sys.stderr)
         self.step_fn = make_sft_step(self.graphdef, self.tx, accum=cfg.gradient_accumulation_steps, z_loss=cfg.z_loss)
         self.eval_fn = make_eval_step(self.graphdef)

@@ -108,13 +108,20 @@ def eval_source(cfg: RunConfig) -> str:
     "Where the held-out split comes from: `eval_dataset_name`, else `dataset_name` (\"\" = the embedded task)."
     return cfg.eval_dataset_name or cfg.dataset_name
 
+def _rows_of(cfg: RunConfig, source: str, split: str) -> tuple:
+    "`(source, split, dataset_config)` naming rows, the embedded task's file for `source=\"\"`."
+    return (*embedded_split(cfg, split), "") if not source else (source, split, cfg.dataset_config)
+
 def check_held_out(cfg: TrainConfig) -> None:
-    "Refuse an evaluation split that is the training split of the same data (unless `eval_on_train`)."
-    same_source = eval_source(cfg) == cfg.dataset_name
-    if same_source and cfg.eval_split.replace(" ", "") == cfg.train_split.replace(" ", "") and not cfg.eval_on_train:
-        raise ConfigError(f"eval_split={cfg.eval_split!r} is the training split of {cfg.dataset_name or 'the embedded task'}: "
-                          "the held-out numbers would be training numbers. Set eval_split= to a held-out split, "
-                          "eval_dataset_name= to a held-out file, or eval_on_train=true to evaluate on it on purpose")
+    "Refuse an evaluation split that shares rows with the training split (unless `eval_on_train`)."
+    from maxpost.data import same_rows
+    if cfg.eval_on_train: return
+    train, held_out = _rows_of(cfg, cfg.dataset_name, cfg.train_split), _rows_of(cfg, eval_source(cfg), cfg.eval_split)
+    if same_rows(train, held_out):
+        raise ConfigError(f"eval_split={cfg.eval_split!r} of {eval_source(cfg) or 'the embedded task'} shares rows with "
+                          f"train_split={cfg.train_split!r}: the held-out numbers would be training numbers. Set "
+                          "eval_split= to a held-out split, eval_dataset_name= to a held-out file, or eval_on_train=true "
+                          "to evaluate on the training data on purpose")
 
 # %% ../nbs/08_train.ipynb
 def tokenizer_dir(cfg: RunConfig, default: str | Path | None = None) -> Path:
@@ -434,6 +441,7 @@ class Trainer:
     def data_state(self) -> dict: return {}
     def restore_data(self, state: dict) -> None: pass
     def after_restore(self) -> None: pass
+    def close(self) -> None: pass
 
     def fit(self, *, progress: bool = True) -> dict:
         "Run (or resume) `cfg.steps` steps; returns the last logged metrics and the final evaluation."
@@ -487,7 +495,7 @@ def _fit(tr: Trainer, progress: bool) -> dict:
             final = tr.evaluate()
             if final: log.log(tr.step, final, kind="eval")
     finally:
-        log.close(); ckpts.close()
+        log.close(); ckpts.close(); tr.close()
     if cfg.save_hf and jax.process_index() == 0: _export_hf(tr)
     return {"step": tr.step, **{k: last[k] for k in tr.summary_keys if k in last}, **final}
 

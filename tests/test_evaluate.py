@@ -211,7 +211,8 @@ def test_stop_tokens(tok):
 # ---------------------------------------------------------------------------------------------------- data
 
 def _cfg(tmp_path, *overrides):
-    return load_config("rl", ["run_name=e", f"base_output_directory={tmp_path}", *overrides], base=None)
+    "An eval config; a single data file has one split, `train`."
+    return load_config("eval", [f"base_output_directory={tmp_path}", "eval_split=train", *overrides], base=None)
 
 
 GSM8K_ROWS = [{"question": "Natalia sold 48 clips in April and half as many in May. How many in all?",
@@ -254,7 +255,7 @@ def test_missing_column_is_a_clear_error(tmp_path):
 
 def test_main_requires_load_parameters_path(tmp_path):
     with pytest.raises(ConfigError, match="load_parameters_path"):
-        main([f"base_output_directory={tmp_path}", "run_name=x", "load_parameters_path="])
+        main([f"base_output_directory={tmp_path}", "load_parameters_path="])
 
 
 def test_format_table_aligns_rows_and_columns():
@@ -280,7 +281,7 @@ def test_cli_eval_on_a_short_sft_run(tmp_path):
                                         "global_batch_size=8", "max_target_length=96", "eval_batches=1", "warmup_steps=1"]
     r = subprocess.run(sft, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    args = [f"base_output_directory={tmp_path}", "run_name=eval", f"load_parameters_path={tmp_path / 'sft'}",
+    args = [f"base_output_directory={tmp_path}", f"load_parameters_path={tmp_path / 'sft'}",
             "eval_num_prompts=8", "eval_k=2", "max_completion_length=16"]
     r = subprocess.run(_cmd("eval", "maxpost.evaluate") + args, env=env, capture_output=True, text=True, timeout=900,
                        cwd=tmp_path)
@@ -289,7 +290,8 @@ def test_cli_eval_on_a_short_sft_run(tmp_path):
     for col in ("pass@1", "pass@2", "maj@2", "format_rate", "truncation_rate", "mean_completion_length"):
         assert col in header, r.stdout
     assert any(l.startswith("sft ") for l in r.stdout.splitlines()), r.stdout
-    rec = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert not (tmp_path / "sft" / "eval.json").exists()            # nothing written into the evaluated run
+    rec = json.loads((tmp_path / "eval-sft" / "eval.json").read_text())
     m, comps = rec["metrics"], rec["completions"]
     assert rec["step"] == 3 and m["num_prompts"] == 8 and len(comps) == 8
     # the first 8 questions of the embedded test split (the test split is drawn first, so these are its head)
@@ -301,8 +303,23 @@ def test_cli_eval_on_a_short_sft_run(tmp_path):
     assert m["pass@1"] == pytest.approx(np.mean(correctness_reward([""] * 8, texts, [e["answer"] for e in expected])))
     assert m["format_rate"] == pytest.approx(np.mean(format_reward([""] * 8, texts)))
     assert 0 <= m["maj@2"] <= m["pass@2"] <= 1 and 0 < m["mean_completion_length"] <= 16
-    recs = [json.loads(l) for l in (tmp_path / "eval" / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(l) for l in (tmp_path / "eval-sft" / "metrics.jsonl").read_text().splitlines()]
     assert [x["kind"] for x in recs] == ["eval"] and recs[0]["step"] == 3 and recs[0]["pass@2"] == m["pass@2"]
     # the embedded examples loaded in-process from the same place agree
-    ex = load_eval_examples(_cfg(tmp_path, "eval_num_prompts=8"))
+    ex = load_eval_examples(_cfg(tmp_path, "eval_num_prompts=8", "eval_split=test"))
     assert [e["question"] for e in ex] == [c["question"] for c in comps]
+
+
+def test_eval_writes_into_its_own_directory_never_a_training_run(tmp_path):
+    """issue 21, item 14: `maxpost eval` as README shows it (no run_name) must not write into the RL run's directory."""
+    from maxpost.evaluate import eval_dir
+    base = [f"base_output_directory={tmp_path}", f"load_parameters_path={tmp_path / 'embedded-sft'}"]
+    assert eval_dir(load_config("eval", base)) == tmp_path / "eval-embedded-sft"
+    assert eval_dir(load_config("eval", [*base[:1], f"load_parameters_path={tmp_path}/r/checkpoints/30"])) == tmp_path / "eval-r@30"
+    (tmp_path / "embedded-grpo" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="training run's directory"):
+        eval_dir(load_config("eval", [*base, "run_name=embedded-grpo"]))
+    r = subprocess.run([sys.executable, "-m", "maxpost.cli", "eval", *base, "run_name=embedded-grpo"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "training run's directory" in r.stderr, r.stderr[-2000:]
+    assert list((tmp_path / "embedded-grpo").iterdir()) == [tmp_path / "embedded-grpo" / "checkpoints"]

@@ -1,12 +1,12 @@
 """The RL trainer: reward failures, no reference model at beta = 0, pi_old with mu = 2, resume after a kill,
-the CLI and the papermill run."""
-import os, signal, subprocess, sys, time
+every config key honoured, the CLI and the papermill run."""
+import json, os, signal, subprocess, sys, time
 from pathlib import Path
 
 import jax, jax.numpy as jnp, numpy as np, pytest
 from flax import nnx
 
-from maxpost.config import load_config, run_dir
+from maxpost.config import load_config, run_dir, ConfigError
 from maxpost.rl import RLTrainer, train_rl
 from maxpost.train import read_metrics
 from maxpost.checkpoint import checkpoint_manager, restore_state
@@ -22,19 +22,13 @@ def rl_cfg(tmp_path, *extra):
     return load_config("rl", [f"base_output_directory={tmp_path}", "run_name=t", *SMALL, *extra])
 
 
-def boom(prompts, completions, **kw):
-    raise RuntimeError("a buggy reward")
-
-
-def length_reward(prompts, completions, **kw):
-    return [len(c) / 50 for c in completions]
+from rewards_for_tests import boom, length_reward   # no JAX there: reward worker processes start fast
 
 
 def test_a_reward_function_that_raises_does_not_stop_the_run(tmp_path):
     cfg = rl_cfg(tmp_path, "steps=2")
     tr = RLTrainer(cfg, reward_fns=[(length_reward, 1.0, "length"), (boom, 1.0, "boom")])
     infos = [tr.update(tr.rollout()) for _ in range(2)]
-    assert tr.step == 2
     for info in infos:
         assert info["rewards/boom/failures"] == cfg.global_batch_size
         assert info["rewards/boom/mean"] == 0.0 and np.isfinite(info["loss"])
@@ -70,8 +64,8 @@ def test_pi_old_is_the_policy_that_generated_the_rollouts(tmp_path):
         np.testing.assert_allclose(old[m], ro["sampler_logps"][m], atol=1e-3)
         # first pass is on-policy (ratio 1), second pass is not: the live policy has moved away from pi_old
         first, second = tr.last_update_metrics
-        assert abs(first["ratio_mean"] - 1) < 1e-5 and first["ratio_max"] - first["ratio_min"] < 1e-4
-        assert second["ratio_max"] - second["ratio_min"] > 1e-4
+        assert abs(first["ratio/mean"] - 1) < 1e-5 and first["ratio/max"] - first["ratio/min"] < 1e-4
+        assert second["ratio/max"] - second["ratio/min"] > 1e-4
         live = np.asarray(tr.logps_fn(tr.params, tr.rest, b))
         assert np.abs(live[m] - old[m]).max() > 1e-4
         if step == 1:   # after the first step pi_old is no longer the initial policy (no stale snapshot)
@@ -105,9 +99,11 @@ def test_cli_resume_after_kill_matches_uninterrupted(tmp_path):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)): np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     rec = read_metrics(tmp_path / "whole", "train")
     assert [r["step"] for r in rec] == list(range(1, steps + 1))
-    for k in ("reward", "clip_frac", "entropy", "completion_length", "truncation_rate", "rollout_tokens_per_s",
-              "time_rollout", "time_update", "advantage_std", "accuracy", "format_rate"):
+    for k in ("reward", "reward_std", "frac_reward_zero_std", "rewards/correctness/mean", "rewards/format/mean",
+              "clip_ratio/region_mean", "completions/mean_length", "completions/clipped_ratio", "tokens_per_s",
+              "timing/rollout", "timing/update", "advantages/std", "loss", "grad_norm", "learning_rate"):
         assert k in rec[-1], k
+    assert not {"accuracy", "format_rate", "rewards/total/mean"} & set(rec[-1])      # no duplicates of the above
 
 
 def test_papermill_rl_run(tmp_path):
@@ -132,3 +128,50 @@ def test_remat_update_equals_the_plain_update(tmp_path):
     np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5, atol=1e-7)
     for x, y in zip(jax.tree.leaves(remat.params), jax.tree.leaves(plain.params)):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
+    """issue 21, item 6: ids past the embedding table used to become NaN and a misleading 'non-finite loss'."""
+    with pytest.raises(ConfigError, match="embeddings"):
+        RLTrainer(rl_cfg(tmp_path, "model_overrides={vocab_size: 64}"))
+
+
+def _gsm8k_file(path, n, offset=0):
+    rows = [{"question": f"What is {i} + {i + 1}?", "answer": f"{i} + {i + 1} = {2 * i + 1}\n#### {2 * i + 1}"}
+            for i in range(offset, offset + n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_every_rl_key_is_read_by_the_run(tmp_path):
+    """maxpost rl refuses or honours every key it accepts. A key the trainer never reads is ignored, so one RL run
+    (data from files, two mini-batches of two micro-batches, mu = 2, a KL term, periodic evaluation, a Hugging Face
+    export) records which fields of its config the code reads outside the config's own validation and
+    serialisation; every field must be among them. (`refused` lists keys that are only checked, never read, by design.)"""
+    from dataclasses import fields
+    from maxpost.config import RLConfig
+    names, read = {f.name for f in fields(RLConfig)}, set()
+
+    class Tracked(RLConfig):
+        def __getattribute__(self, name):
+            if name in names:
+                f = sys._getframe(1)
+                where = f.f_code.co_filename
+                checking = where.endswith(os.path.join("maxpost", "config.py")) and f.f_code.co_name != "run_dir"
+                if not ("omegaconf" in where or where.endswith("dataclasses.py") or checking): read.add(name)
+            return object.__getattribute__(self, name)
+
+    from maxpost.tasks import build_tokenizer
+    tok = tmp_path / "tok"; build_tokenizer(tok)
+    train, held = _gsm8k_file(tmp_path / "train.jsonl", 32), _gsm8k_file(tmp_path / "held.jsonl", 4, offset=100)
+    cfg = load_config(Tracked, [f"base_output_directory={tmp_path}", "run_name=walk", "load_parameters_path=",
+                                f"tokenizer_path={tok}", "model_overrides={num_layers: 1}", f"dataset_name={train}",
+                                f"eval_dataset_name={held}", "eval_split=train", "steps=2", "global_batch_size=8",
+                                "num_generations=2", "mini_batch_size=4", "gradient_accumulation_steps=2",
+                                "num_iterations=2", "beta=0.04", "max_prompt_length=64", "max_completion_length=8",
+                                "eval_interval=1", "eval_num_prompts=4", "eval_k=2", "log_period=1",
+                                "checkpoint_period=1", "save_hf=true", "warmup_steps=1", "lr_schedule=linear"], base=None)
+    out = RLTrainer(cfg).fit(progress=False)
+    assert out["step"] == 2 and (tmp_path / "walk" / "hf" / "config.json").exists()   # save_hf honoured by RL
+    refused = set()        # none: every key of RLConfig is used
+    assert names - read - refused == set(), f"keys maxpost rl accepts but never reads: {sorted(names - read - refused)}"

@@ -225,7 +225,7 @@ def test_dropped_examples_are_reported_and_too_many_stop_the_run(tmp_path, capsy
     base = [f"base_output_directory={tmp_path}", "run_name=short", "steps=2", *SMALL]
     with pytest.raises(ConfigError, match=r"dropped.*raise max_target_length") as e:
         train_sft(load_config("sft", base + ["max_target_length=64"]), progress=False)
-    assert "train split: 256 examples" in str(e.value)
+    assert "of 256 examples" in str(e.value)
     assert not (tmp_path / "short" / "checkpoints").exists()          # refused before anything was trained
     train_sft(load_config("sft", base), progress=True)
     err = capsys.readouterr().err

@@ -21,7 +21,7 @@ def test_tutorial_quick_run_reward_rises(tmp_path):
     assert set(summary["results"]) == {"sft", "grpo", "gspo"}
     for algo in ("grpo", "gspo"):
         rec = read_metrics(tmp_path / "runs" / f"embedded-{algo}", "train")
-        rewards, lengths = [r["reward"] for r in rec], [r["completion_length"] for r in rec]
+        rewards, lengths = [r["reward"] for r in rec], [r["completions/mean_length"] for r in rec]
         q = max(len(rewards) // 4, 1)
         assert len(rewards) >= 8, rewards
         assert np.mean(rewards[-q:]) > np.mean(rewards[:q]), (algo, rewards)
