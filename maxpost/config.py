@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_config.ipynb 3
 from __future__ import annotations
-import dataclasses, difflib, importlib, os
+import difflib, importlib, os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional, Sequence

@@ -4,14 +4,13 @@
 
 # %% ../nbs/14_evaluate.ipynb 4
 from __future__ import annotations
-import dataclasses, json, math, os
+import dataclasses, json, os
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from . import tasks
-from .config import RunConfig, ConfigError, load_config, run_dir
+from .config import RunConfig, ConfigError, run_dir
 from .rewards import extract_answer, answers_match, format_reward, gsm8k_gold, check_gold_answers
 from .prompts import prompt_token_ids, stop_token_ids
 

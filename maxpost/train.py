@@ -22,8 +22,8 @@ __all__ = ['LR_SCHEDULES', 'RESUMABLE_KEYS', 'PEAK_BF16_FLOPS', 'make_run_mesh',
            'eval_source', 'check_held_out', 'tokenizer_dir', 'check_vocab', 'Setup', 'setup_run', 'make_schedule',
            'make_optimizer', 'on_mesh', 'init_opt_state', 'all_finite', 'check_finite', 'RunLocked', 'RunLock',
            'config_changes', 'effective_config', 'check_resume', 'precheck_run_dir', 'RunCheckpoints', 'StopSignal',
-           'RunStopped', 'read_metrics', 'MetricsLogger', 'flops_per_token', 'device_peak_flops', 'Trainer',
-           'split_base', 'run_command', 'print_summary']
+           'RunStopped', 'read_metrics', 'MetricsLogger', 'flops_per_token', 'device_peak_flops', 'StepCompiler',
+           'memory_needed', 'device_memory', 'check_memory', 'Trainer', 'split_base', 'run_command', 'print_summary']
 
 # %% ../nbs/08_train.ipynb
 def make_run_mesh(cfg: RunConfig) -> jax.sharding.Mesh:
@@ -418,6 +418,63 @@ def device_peak_flops() -> float | None:
     return None
 
 # %% ../nbs/08_train.ipynb
+class StepCompiler:
+    "A jitted function compiled once per input signature; the compiled programs (and their memory analysis) are kept."
+    def __init__(self, jitted): self.jitted, self.programs = jitted, {}
+
+    @staticmethod
+    def _signature(args) -> tuple:
+        leaves, tree = jax.tree.flatten(args)
+        return tree, tuple((np.shape(x), np.dtype(getattr(x, "dtype", np.asarray(x).dtype)), getattr(x, "sharding", None))
+                           for x in leaves)
+
+    def compile(self, *args):
+        "The compiled program for `args` (arrays or `jax.ShapeDtypeStruct`s), compiling it the first time."
+        key = self._signature(args)
+        if key not in self.programs: self.programs[key] = self.jitted.lower(*args).compile()
+        return self.programs[key]
+
+    def __call__(self, *args): return self.compile(*args)(*args)
+
+# %% ../nbs/08_train.ipynb
+def memory_needed(compiled) -> dict:
+    "Bytes per device of a compiled program: arguments, outputs, aliased (donated and reused), temporaries, peak."
+    m = compiled.memory_analysis()
+    out = dict(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
+               temporaries=m.temp_size_in_bytes)
+    out["peak"] = out["arguments"] + out["temporaries"] + out["outputs"] - out["aliased"]
+    return out
+
+# %% ../nbs/08_train.ipynb
+def device_memory() -> tuple[int, str]:
+    "`(bytes, what)` one device may use: `MAXPOST_DEVICE_MEMORY`, else the device's `bytes_limit`, else the host's available RAM over its CPU devices."
+    if os.environ.get("MAXPOST_DEVICE_MEMORY"): return int(float(os.environ["MAXPOST_DEVICE_MEMORY"])), "MAXPOST_DEVICE_MEMORY"
+    dev = jax.local_devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and stats.get("bytes_limit"): return int(stats["bytes_limit"]), f"{dev.device_kind} memory"
+    try: avail = next(int(l.split()[1]) * 1024 for l in open("/proc/meminfo") if l.startswith("MemAvailable:"))
+    except (OSError, StopIteration): avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    n = jax.local_device_count()
+    return avail // n, f"available host RAM / {n} CPU devices"
+
+# %% ../nbs/08_train.ipynb
+def _gib(n: float) -> str: return f"{n / 2**30:.2f} GiB"
+
+def check_memory(probes: list, knobs: str) -> list[str]:
+    "Compile each `(label, StepCompiler, args)` probe; a line per probe, or `ConfigError` naming the shortfall and `knobs`."
+    limit, what = device_memory()
+    lines = []
+    for label, step, args in probes:
+        need = memory_needed(step.compile(*args))
+        line = (f"{label} needs {_gib(need['peak'])} per device (arguments {_gib(need['arguments'])}, temporaries "
+                f"{_gib(need['temporaries'])}) of {_gib(limit)} ({what})")
+        if need["peak"] > limit:
+            raise ConfigError(f"{line}: short by {_gib(need['peak'] - limit)}. To fit: {knobs}; or set check_memory=false "
+                              "to try anyway")
+        lines.append(line)
+    return lines
+
+# %% ../nbs/08_train.ipynb
 class Trainer:
     "The train state and the loop SFT and RL share; a subclass defines `train_step`, `evaluate` and its data state."
     kind, eval_at_start, summary_keys = "train", False, ("loss",)
@@ -442,6 +499,9 @@ class Trainer:
     def restore_data(self, state: dict) -> None: pass
     def after_restore(self) -> None: pass
     def close(self) -> None: pass
+    def memory_probes(self) -> list: return []      # [(label, StepCompiler, example args)] for `check_memory`
+    memory_knobs = ("remat_policy=full, a larger gradient_accumulation_steps, a smaller logits_chunk_size, a smaller "
+                    "global_batch_size, or more devices (fsdp_parallelism)")
 
     def fit(self, *, progress: bool = True) -> dict:
         "Run (or resume) `cfg.steps` steps; returns the last logged metrics and the final evaluation."
@@ -478,6 +538,9 @@ def _fit(tr: Trainer, progress: bool) -> dict:
                     setattr(tr, "latest_checkpoint", tr.step))
     last, final, window = {}, {}, [time.perf_counter(), 0.0, 0]     # [start, tokens, steps] since the last log
     try:
+        if cfg.check_memory and tr.step < cfg.steps:
+            for line in check_memory(tr.memory_probes(), tr.memory_knobs):
+                if jax.process_index() == 0 and progress: print(f"memory: {line}", file=sys.stderr)
         if tr.eval_at_start and tr.step == 0: log.log(0, tr.evaluate(), kind="eval")
         with StopSignal() as stop, jax.set_mesh(tr.mesh):
             while tr.step < cfg.steps and not stop.requested:
