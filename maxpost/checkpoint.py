@@ -452,6 +452,7 @@ def convert_main(argv) -> int:
         else:
             save_maxtext(model, tmp, scanned=not a.unscanned, use_ocdbt=not a.no_ocdbt)
             if tok_src is not None: _copy_tokenizer(tok_src, tmp / "tokenizer")
-    _write_replacing(dst, write)
+    try: _write_replacing(dst, write)
+    except (CheckpointError, OSError) as e: return fail(f"could not write {dst} ({e}); it is as it was before")
     print(f"wrote {dst} ({kind} -> {to})")
     return 0

@@ -177,6 +177,7 @@ def save_maxtext(model: Decoder, path, *, scanned: bool = True, use_ocdbt: bool 
     path = Path(path).absolute()
     ctx = ocp1.Context()
     ctx.array.saving.use_ocdbt, ctx.array.saving.use_zarr3 = use_ocdbt, use_zarr3
+    ctx.asynchronous.create_directories_asynchronously = False   # a failed write raises here, rather than hanging
     state = {"step": 0, "params": {"params": maxtext_params(model, scanned=scanned, vocab_size=vocab_size)},
              "opt_state": {}}
     with ocp1.training.Checkpointer(path, context=ctx) as ckpt:
