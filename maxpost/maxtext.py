@@ -237,7 +237,9 @@ def _model_dims(shapes: dict) -> dict:
     drop = (lambda s: s[:1] + s[2:]) if n is not None else (lambda s: s)
     def get(*p):
         k = prefix + p
-        if k not in shapes: raise ValueError(f"the checkpoint has no {'/'.join(k)} (expected in every layer)")
+        if k not in shapes:
+            raise ValueError(f"the checkpoint has no {'/'.join(k)}: not a dense Llama 3, Qwen 3 or Gemma 3 layer "
+                             f"(supported families: {', '.join(MAXTEXT_FAMILIES)}; MoE and other models are not)")
         return drop(shapes[k].shape)
     v, e = shapes[("token_embedder", "embedding")].shape
     _, nh, h = get("self_attention", "query", "kernel")
