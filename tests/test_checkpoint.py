@@ -1,5 +1,5 @@
 """Hugging Face parity: tiny random transformers models -> load_hf -> same logits; save_hf -> transformers loads it."""
-import json
+import json, os
 
 import numpy as np
 import pytest
@@ -16,7 +16,8 @@ from maxpost.model import init_cache
 from maxpost.sharding import make_mesh
 
 COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-              vocab_size=128, intermediate_size=96, max_position_embeddings=256)
+              vocab_size=128, intermediate_size=96, max_position_embeddings=256,
+              initializer_range=0.25)   # large enough that attention (and each layout convention) moves the logits
 
 
 def _llama():
@@ -241,3 +242,141 @@ def test_run_config_reaches_a_hugging_face_model(saved, tmp_path):
     tokens = jnp.asarray(_tokens(5))
     mixed, full = np.asarray(model(tokens)), np.asarray(load_hf(path)(tokens))
     assert 0 < np.abs(mixed - full).max() < 0.1 * np.abs(full).max() + 0.05
+
+
+# ---- reliability of checkpoints (issue 21: items 8, 11, 13, 16) ----
+import subprocess, sys, textwrap, warnings
+from pathlib import Path
+
+from maxpost.checkpoint import checkpoint_manager, save_state, restore_state, convert_main, hf_to_maxpost
+from maxpost.model import get_model_config, create_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tiny_state(seed):
+    m = create_model(get_model_config("tiny", num_layers=1, d_model=64, mlp_dim=128, vocab_size=64), seed=seed)
+    return nnx.state(m, nnx.Param)
+
+
+def _equal_trees(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+def test_failed_checkpoint_write_exits_with_a_message(tmp_path):
+    """A write that fails (here: the step directory cannot be created, as in an unwritable run directory) raises at
+    once with a message naming the step and directory, the process exits non-zero instead of hanging at shutdown on
+    Orbax's threads, and the previous checkpoint still restores."""
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import jax.numpy as jnp
+        from maxpost.checkpoint import checkpoint_manager, save_state
+        d = {str(tmp_path / "ckpts")!r}
+        mgr = checkpoint_manager(d, max_to_keep=2)
+        save_state(mgr, 1, {{"w": jnp.ones((4, 4))}}, meta={{"data": 1}})
+        real_mkdir = os.mkdir
+        def refuse(p, *a, **k):   # what a read-only directory does to every new entry
+            if str(p).startswith(d): raise PermissionError(13, "Permission denied", str(p))
+            return real_mkdir(p, *a, **k)
+        os.mkdir = refuse
+        save_state(mgr, 2, {{"w": jnp.zeros((4, 4))}}, meta={{"data": 2}})
+        print("the failed save returned")
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+    assert r.returncode != 0 and "the failed save returned" not in r.stdout
+    assert "step 2" in r.stderr and "Permission denied" in r.stderr, r.stderr[-2000:]
+    p, _, meta = restore_state(checkpoint_manager(tmp_path / "ckpts"), {"w": jnp.zeros((4, 4))})
+    assert meta["step"] == 1 and np.array_equal(np.asarray(p["w"]), np.ones((4, 4)))
+
+
+def _corrupt(step_dir):
+    "Delete one array data file of a step (OCDBT keeps the arrays in d/ files)."
+    files = sorted(f for f in (step_dir / "params").rglob("*") if f.is_file() and f.parent.name == "d")
+    assert files, list((step_dir / "params").rglob("*"))
+    for f in files: f.unlink()
+
+
+def test_corrupted_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    """restore_state (newest by default) warns about a step that does not restore and returns the newest one that
+    does; meta['step'] says which. With every step corrupted it raises CheckpointError naming each failure."""
+    s1, s2 = _tiny_state(1), _tiny_state(2)
+    mgr = checkpoint_manager(tmp_path / "c")
+    save_state(mgr, 2, s1, meta={"data": "a"})
+    save_state(mgr, 4, s2, meta={"data": "b"})
+    _corrupt(tmp_path / "c" / "4")
+    with pytest.warns(UserWarning, match="step 4"):
+        p, _, meta = restore_state(checkpoint_manager(tmp_path / "c"), _tiny_state(0))
+    assert meta == {"data": "a", "step": 2} and _equal_trees(p, s1)
+    _corrupt(tmp_path / "c" / "2")
+    from maxpost.checkpoint import CheckpointError
+    with pytest.warns(UserWarning), pytest.raises(CheckpointError, match="step 4.*step 2"):
+        restore_state(checkpoint_manager(tmp_path / "c"), _tiny_state(0))
+
+
+def test_saving_again_after_a_fallback_sets_the_bad_step_aside(tmp_path):
+    """After resuming from step 2 because step 4 is corrupted, the run saves step 4 again: the save happens (Orbax
+    alone would skip a step that is not newer than the latest, or refuse an existing one), the bad step is kept as
+    4.set-aside, and the new step 4 is the newest and restores."""
+    s1, s2, s3 = _tiny_state(1), _tiny_state(2), _tiny_state(3)
+    mgr = checkpoint_manager(tmp_path / "c", max_to_keep=2)
+    save_state(mgr, 2, s1, meta={"data": "a"})
+    save_state(mgr, 4, s2, meta={"data": "b"})
+    _corrupt(tmp_path / "c" / "4")
+    mgr = checkpoint_manager(tmp_path / "c", max_to_keep=2)     # the rerun
+    with pytest.warns(UserWarning, match="step 4"):
+        _, _, meta = restore_state(mgr, _tiny_state(0))
+    assert meta["step"] == 2
+    with pytest.warns(UserWarning, match="set-aside"):
+        save_state(mgr, 4, s3, meta={"data": "c"})
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["2", "4", "4.set-aside"]
+    p, _, meta = restore_state(checkpoint_manager(tmp_path / "c"), _tiny_state(0))
+    assert meta == {"data": "c", "step": 4} and _equal_trees(p, s3)
+
+
+def test_extra_checkpoints_are_pruned_when_the_run_starts(tmp_path):
+    """Steps above max_to_keep (a kill between a save and Orbax's cleanup leaves them) are deleted when the run's
+    manager opens, oldest first; without max_to_keep nothing is deleted."""
+    d = tmp_path / "c"
+    mgr = checkpoint_manager(d)
+    for s in range(1, 6): save_state(mgr, s, {"w": jnp.full((2,), float(s))})
+    checkpoint_manager(d)
+    assert sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) == [1, 2, 3, 4, 5]
+    checkpoint_manager(d, max_to_keep=2)
+    assert sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) == [4, 5]
+
+
+def test_truncated_safetensors_names_the_file(tmp_path):
+    """A truncated weights file fails with an error that names the file."""
+    from maxpost.checkpoint import save_hf
+    path = save_hf(create_model(get_model_config("tiny", num_layers=1)), tmp_path / "whole")
+    out = tmp_path / "cut"; out.mkdir()
+    (out / "config.json").write_text((path / "config.json").read_text())
+    data = (path / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ValueError, match=str(out / "model.safetensors")):
+        load_hf(out)
+
+
+def test_convert_refuses_a_non_empty_destination_unless_overwrite(tmp_path, capsys):
+    """`maxpost convert HF DST` into an existing run refuses (exit 2, DST untouched); with --overwrite DST is
+    replaced whole: only the new checkpoint, no stray files, the new weights."""
+    from maxpost.checkpoint import save_hf
+    for seed in (1, 2):
+        save_hf(create_model(get_model_config("tiny", num_layers=1), seed=seed), tmp_path / f"hf{seed}")
+    dst = tmp_path / "run"
+    assert convert_main([str(tmp_path / "hf1"), str(dst)]) == 0
+    save_state(checkpoint_manager(dst / "checkpoints"), 7, _tiny_state(3))     # a later step of that run
+    (dst / "notes.txt").write_text("mine")
+    before = sorted(str(p.relative_to(dst)) for p in dst.rglob("*"))
+    assert convert_main([str(tmp_path / "hf2"), str(dst)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert sorted(str(p.relative_to(dst)) for p in dst.rglob("*")) == before
+    assert convert_main([str(tmp_path / "hf2"), str(dst), "--overwrite"]) == 0
+    assert not (dst / "notes.txt").exists()
+    assert sorted(int(p.name) for p in (dst / "checkpoints").iterdir() if p.name.isdigit()) == [0]
+    model = load_hf(tmp_path / "hf2")
+    p, _, _ = restore_state(checkpoint_manager(dst / "checkpoints"), nnx.state(model, nnx.Param))
+    assert _equal_trees(p, nnx.state(model, nnx.Param))
