@@ -15,7 +15,7 @@ COMMANDS = {
     "sft": ("maxpost.sft:main", "supervised fine-tuning (base: configs/sft.yml; default: the embedded task)"),
     "rl": ("maxpost.rl:main", "GRPO / GSPO from an SFT or Hugging Face checkpoint (base: configs/rl.yml)"),
     "eval": ("maxpost.evaluate:main", "pass@1, pass@k, maj@k and format rate of a checkpoint (base: configs/eval.yml)"),
-    "convert": ("maxpost.checkpoint:convert_main", "Hugging Face directory <-> maxpost run directory"),
+    "convert": ("maxpost.checkpoint:convert_main", "Hugging Face / maxpost / MaxText checkpoints, either way"),
     "config": ("maxpost.cli:show_config", "print the resolved configuration of `sft`, `rl` or `eval` with overrides applied"),
 }
 
@@ -33,14 +33,16 @@ def show_config(argv: Sequence[str]) -> int:
 
 # %% ../nbs/17_cli.ipynb
 EXIT_CODES = {0: "finished", 1: "an unexpected error", 2: "a configuration or input error", 3: "a non-finite loss",
-              4: "the run directory is in use by another process", 128: "128 + N: stopped by signal N"}
+              4: "the run directory is in use by another process", 5: "a checkpoint could not be written or restored",
+              128: "128 + N: stopped by signal N"}
 
 def exit_code(e: BaseException) -> int | None:
     "The exit code of a run that ended with `e`, or None when `e` is not one a run reports (then: traceback, 1)."
     from maxpost.config import ConfigError
     from maxpost.train import RunLocked, RunStopped
+    from maxpost.checkpoint import CheckpointError
     if isinstance(e, RunStopped): return e.exit_code
-    for cls, code in ((ConfigError, 2), (FloatingPointError, 3), (RunLocked, 4)):
+    for cls, code in ((ConfigError, 2), (FloatingPointError, 3), (RunLocked, 4), (CheckpointError, 5)):
         if isinstance(e, cls): return code
     return None
 

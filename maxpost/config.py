@@ -24,10 +24,13 @@ class RunConfig:
     # where the command writes: {base_output_directory}/{run_name}/ (a run name is a name: no path separators)
     run_name: str = MISSING
     base_output_directory: str = MISSING
-    # model: a preset name (+ field overrides); weights from a maxpost run, a Hugging Face or MaxText checkpoint,
-    # else random init
+    # model: a preset name (for a MaxText checkpoint also a MaxText name such as qwen3-8b, or a family: llama3,
+    # llama3.1, qwen3, gemma3, whose dimensions are read from the checkpoint); weights from a maxpost run, a
+    # Hugging Face or MaxText checkpoint, else random init
     model_name: str = "tiny"
-    model_overrides: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields on top of the preset
+    # ModelConfig fields on top of model_name: for a random init and a MaxText checkpoint (which records no
+    # architecture); refused with Hugging Face or maxpost checkpoints, which describe their own
+    model_overrides: dict[str, Any] = field(default_factory=dict)
     load_parameters_path: str = ""
     tokenizer_path: str = ""  # "" = the tokenizer saved with the checkpoint
     dtype: str = "float32"  # compute dtype

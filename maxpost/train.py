@@ -70,12 +70,16 @@ def _restore_params(run: Path, step: int | None, model: nnx.Module) -> None:
     nnx.update(model, restored)
 
 def load_policy(cfg: RunConfig, mesh) -> nnx.Module:
-    "The initial policy: from `load_parameters_path` (maxpost run or Hugging Face directory) or a random preset."
+    "The initial policy: from `load_parameters_path` (maxpost run, Hugging Face or MaxText checkpoint) or a random preset."
+    from maxpost.maxtext import is_maxtext_checkpoint, load_maxtext, describe_checkpoint_kinds
     path, opts = os.path.expanduser(cfg.load_parameters_path), model_options(cfg)
     if not path: return mm.create_model(model_config_for(cfg), seed=cfg.seed, mesh=mesh)
     if not Path(path).exists():
-        raise ConfigError(f"load_parameters_path={path!r} does not exist (give a maxpost run directory, one of its "
-                          f"checkpoints/<step> directories, or a Hugging Face directory with config.json + safetensors)")
+        raise ConfigError(f"load_parameters_path={path!r} does not exist; give {describe_checkpoint_kinds()}")
+    if is_maxtext_checkpoint(path):   # weights only: the architecture comes from model_name + model_overrides
+        try: return load_maxtext(path, cfg.model_name, overrides=cfg.model_overrides, mesh=mesh,
+                                 dtype=jnp.dtype(cfg.param_dtype), compute_dtype=cfg.dtype, remat=opts["remat"])
+        except ValueError as e: raise ConfigError(f"load_parameters_path={path!r}: {e}") from None
     if cfg.model_overrides:
         raise ConfigError(f"model_overrides={cfg.model_overrides} with load_parameters_path={path!r}: the checkpoint "
                           "describes its own architecture; drop model_overrides")
@@ -84,8 +88,8 @@ def load_policy(cfg: RunConfig, mesh) -> nnx.Module:
         return load_hf(path, dtype=jnp.dtype(cfg.param_dtype), mesh=mesh, remat=opts["remat"], compute_dtype=cfg.dtype)
     try: run, step = find_run_checkpoint(path)
     except FileNotFoundError:
-        raise ConfigError(f"load_parameters_path={path!r} is neither a maxpost run (no checkpoints/ inside) nor a "
-                          f"Hugging Face directory (no config.json + *.safetensors)") from None
+        raise ConfigError(f"load_parameters_path={path!r} is no checkpoint maxpost reads; give "
+                          f"{describe_checkpoint_kinds()}") from None
     model = mm.create_model(dataclasses.replace(read_model_config(run), **opts), seed=0, mesh=mesh)
     _restore_params(run, step, model)   # the random weights above are overwritten in their shards
     return model
