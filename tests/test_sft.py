@@ -267,3 +267,17 @@ def test_a_second_process_on_the_same_run_is_refused(tmp_path):
         holder.kill(); holder.wait()
     with RunLock(tmp_path / "busy"):       # the kernel released the dead holder's flock
         assert (tmp_path / "busy" / ".lock").read_text().startswith(f"pid {os.getpid()}")
+
+
+def test_a_step_that_cannot_fit_is_refused_before_it_runs(tmp_path):
+    """issue 20, item 5: the step is compiled first and its memory analysis compared with the device's memory; a
+    step that cannot fit stops with how much is missing and the knobs, instead of being killed by the kernel."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", MAXPOST_DEVICE_MEMORY="1000000")
+    r = subprocess.run(sft_cmd(tmp_path, "big", 5), env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "the SFT step needs" in r.stderr and "short by" in r.stderr and "remat_policy" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "big" / "checkpoints").exists() or not any((tmp_path / "big" / "checkpoints").iterdir())
+    # with the memory it has, the same run prints what it needs next to what there is, and trains
+    r = subprocess.run(sft_cmd(tmp_path, "fits", 2), env={**env, "MAXPOST_DEVICE_MEMORY": str(8 << 30)},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "memory: the SFT step needs" in r.stderr and "of 8.00 GiB" in r.stderr, r.stderr[-2000:]
