@@ -5,7 +5,7 @@
 # %% ../nbs/15_rl.ipynb 4
 from __future__ import annotations
 import time
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
@@ -63,6 +63,7 @@ class PromptIterator:
         self.epoch, self.position, self.seed = int(s["epoch"]), int(s["position"]), int(s["seed"]); return self
 
 # %% ../nbs/15_rl.ipynb
+@runtime_checkable
 class RolloutEngine(Protocol):
     "What the RL trainer needs from a sampler: completions of prompts, and the current policy's weights."
     def generate(self, prompt_ids: Sequence[Sequence[int]], *, max_prompt_length: int, max_completion_length: int,
