@@ -18,7 +18,7 @@ from .rewards import as_reward_specs, compute_rewards, correctness_reward, start
 from .sampling import Rollout, generate, completion_logps
 from .prompts import prompt_token_ids, stop_token_ids
 from .evaluate import load_examples, load_eval_examples, evaluate, eval_options
-from .train import Trainer, StepCompiler, all_finite, check_held_out, run_command, print_summary
+from .train import Trainer, all_finite, check_held_out, run_command, print_summary
 
 # %% auto 0
 __all__ = ['DEFAULT_EPSILONS', 'ROLLOUT_ENGINES', 'resolve_epsilons', 'loss_options', 'PromptIterator', 'RolloutEngine',
@@ -191,8 +191,10 @@ class RLTrainer(Trainer):
         correctness = any(s.fn is correctness_reward for s in self.rewards)
         self.prompts = PromptIterator(load_examples(cfg, cfg.train_split, check_gold=correctness), seed=cfg.seed)
         self.eval_examples = load_eval_examples(cfg)
-        self.logps_fn = StepCompiler(make_logps_fn(self.graphdef, cfg.temperature, G, A * (B // self.mini_batch)))
-        self.step_fn = StepCompiler(make_rl_step(self.graphdef, self.tx, loss_options(cfg), cfg.temperature, G, A))
+        self.logps_fn = self.compiled(make_logps_fn(self.graphdef, cfg.temperature, G, A * (B // self.mini_batch)),
+                                      "the log-prob pass")
+        self.step_fn = self.compiled(make_rl_step(self.graphdef, self.tx, loss_options(cfg), cfg.temperature, G, A),
+                                     "the RL update")
         self.engine = engine if engine is not None else make_engine(cfg, self.model, self.tokenizer)
         self.sampling = sampling_options(cfg, self.tokenizer)
         self.last_batch, self.last_update_metrics = None, []
@@ -263,20 +265,6 @@ class RLTrainer(Trainer):
     memory_knobs = ("remat_policy=full, a larger gradient_accumulation_steps (micro-batches of the update and the "
                     "log-prob passes), a smaller mini_batch_size or logits_chunk_size, a shorter max_prompt_length or "
                     "max_completion_length, or more devices (fsdp_parallelism)")
-    def memory_probes(self) -> list:
-        "The update on a mini-batch of the longest prompts and completions, and the π_old / π_ref log-prob pass."
-        P, T = self.cfg.max_prompt_length, self.cfg.max_completion_length
-        def rows(n, logps):
-            b = dict(prompt_ids=np.zeros((n, P), np.int32), prompt_mask=np.ones((n, P), np.int32),
-                     completion_ids=np.zeros((n, T), np.int32), completion_mask=np.ones((n, T), np.int32),
-                     advantages=np.zeros(n, np.float32))
-            b |= {k: np.zeros((n, T), np.float32) for k in logps}
-            return sharding.shard_batch(b, self.mesh)
-        logps = (["old_per_token_logps"] if self.updates_per_step > 1 else []) + \
-                (["ref_per_token_logps"] if self.ref_params is not None else [])
-        out = [("the RL update", self.step_fn, (self.params, self.rest, self.opt_state, rows(self.mini_batch, logps)))]
-        if logps: out.append(("the log-prob pass", self.logps_fn, (self.params, self.rest, rows(self.cfg.global_batch_size, []))))
-        return out
 
 # %% ../nbs/15_rl.ipynb
 def train_rl(cfg: RLConfig, *, progress: bool = True, reward_fns=None) -> dict:

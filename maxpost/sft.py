@@ -13,7 +13,7 @@ from .config import SFTConfig, ConfigError
 from . import sharding
 from .data import make_sft_iterator, check_examples
 from .sft_loss import sft_loss, target_weights, summarize_metrics
-from .train import (Trainer, StepCompiler, embedded_split, eval_source, check_held_out, run_command,
+from .train import (Trainer, embedded_split, eval_source, check_held_out, run_command,
                            print_summary, all_finite, flops_per_token)
 
 # %% auto 0
@@ -110,8 +110,8 @@ class SFTTrainer(Trainer):
             line = check_examples(it.examples, max_target_length=cfg.max_target_length,
                                   max_dropped_share=cfg.max_dropped_share, what=what)
             if progress and jax.process_index() == 0: print(line, file=sys.stderr)
-        self.step_fn = StepCompiler(make_sft_step(self.graphdef, self.tx, accum=cfg.gradient_accumulation_steps,
-                                                  z_loss=cfg.z_loss))
+        self.step_fn = self.compiled(make_sft_step(self.graphdef, self.tx, accum=cfg.gradient_accumulation_steps,
+                                                   z_loss=cfg.z_loss), "the SFT step")
         self.eval_fn = make_eval_step(self.graphdef)
         self.flops_per_token = flops_per_token(self.model_cfg, cfg.max_target_length)
 
@@ -130,10 +130,6 @@ class SFTTrainer(Trainer):
 
     memory_knobs = ("remat_policy=full, a larger gradient_accumulation_steps, a smaller logits_chunk_size, a smaller "
                     "max_target_length or global_batch_size, or more devices (fsdp_parallelism)")
-    def memory_probes(self) -> list:
-        "The train step on the next batch (peeked: the iterator does not move)."
-        state = self.train_it.state(); batch = next(self.train_it); self.train_it.restore(state)
-        return [("the SFT step", self.step_fn, (self.params, self.rest, self.opt_state, sharding.shard_batch(batch, self.mesh)))]
 
 # %% ../nbs/09_sft.ipynb
 def train_sft(cfg: SFTConfig, *, progress: bool = True) -> dict:

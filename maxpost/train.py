@@ -423,8 +423,8 @@ def device_peak_flops() -> float | None:
 
 # %% ../nbs/08_train.ipynb
 class StepCompiler:
-    "A jitted function compiled once per input signature; the compiled programs (and their memory analysis) are kept."
-    def __init__(self, jitted): self.jitted, self.programs = jitted, {}
+    "A jitted function compiled once per input signature; each new program goes to `on_compile` before it runs."
+    def __init__(self, jitted, on_compile=None): self.jitted, self.on_compile, self.programs = jitted, on_compile, {}
 
     @staticmethod
     def _signature(args) -> tuple:
@@ -435,7 +435,10 @@ class StepCompiler:
     def compile(self, *args):
         "The compiled program for `args` (arrays or `jax.ShapeDtypeStruct`s), compiling it the first time."
         key = self._signature(args)
-        if key not in self.programs: self.programs[key] = self.jitted.lower(*args).compile()
+        if key not in self.programs:
+            program = self.jitted.lower(*args).compile()
+            if self.on_compile is not None: self.on_compile(program)
+            self.programs[key] = program
         return self.programs[key]
 
     def __call__(self, *args): return self.compile(*args)(*args)
@@ -464,19 +467,16 @@ def device_memory() -> tuple[int, str]:
 # %% ../nbs/08_train.ipynb
 def _gib(n: float) -> str: return f"{n / 2**30:.2f} GiB"
 
-def check_memory(probes: list, knobs: str) -> list[str]:
-    "Compile each `(label, StepCompiler, args)` probe; a line per probe, or `ConfigError` naming the shortfall and `knobs`."
+def check_memory(label: str, compiled, knobs: str) -> str:
+    "A line on what `compiled` needs per device next to what the device has; `ConfigError` naming the shortfall and `knobs` when it cannot fit."
     limit, what = device_memory()
-    lines = []
-    for label, step, args in probes:
-        need = memory_needed(step.compile(*args))
-        line = (f"{label} needs {_gib(need['peak'])} per device (arguments {_gib(need['arguments'])}, temporaries "
-                f"{_gib(need['temporaries'])}) of {_gib(limit)} ({what})")
-        if need["peak"] > limit:
-            raise ConfigError(f"{line}: short by {_gib(need['peak'] - limit)}. To fit: {knobs}; or set check_memory=false "
-                              "to try anyway")
-        lines.append(line)
-    return lines
+    need = memory_needed(compiled)
+    line = (f"{label} needs {_gib(need['peak'])} per device (arguments {_gib(need['arguments'])}, temporaries "
+            f"{_gib(need['temporaries'])}) of {_gib(limit)} ({what})")
+    if need["peak"] > limit:
+        raise ConfigError(f"{line}: short by {_gib(need['peak'] - limit)}. To fit: {knobs}; or set check_memory=false "
+                          "to try anyway")
+    return line
 
 # %% ../nbs/08_train.ipynb
 class Trainer:
@@ -503,9 +503,16 @@ class Trainer:
     def restore_data(self, state: dict) -> None: pass
     def after_restore(self) -> None: pass
     def close(self) -> None: pass
-    def memory_probes(self) -> list: return []      # [(label, StepCompiler, example args)] for `check_memory`
     memory_knobs = ("remat_policy=full, a larger gradient_accumulation_steps, a smaller logits_chunk_size, a smaller "
                     "global_batch_size, or more devices (fsdp_parallelism)")
+
+    def compiled(self, jitted, label: str) -> StepCompiler:
+        "`jitted` as a `StepCompiler` whose new programs are checked against the device's memory (`check_memory`)."
+        def check(program):
+            if not self.cfg.check_memory: return
+            line = check_memory(label, program, self.memory_knobs)
+            if jax.process_index() == 0 and getattr(self, "progress", True): print(f"memory: {line}", file=sys.stderr)
+        return StepCompiler(jitted, on_compile=check)
 
     def fit(self, *, progress: bool = True) -> dict:
         "Run (or resume) `cfg.steps` steps; returns the last logged metrics and the final evaluation."
@@ -541,10 +548,8 @@ def _fit(tr: Trainer, progress: bool) -> dict:
     save = lambda: (ckpts.save(tr.step, tr.params, tr.opt_state, {"data": tr.data_state(), "seed": cfg.seed}),
                     setattr(tr, "latest_checkpoint", tr.step))
     last, final, window = {}, {}, [time.perf_counter(), 0.0, 0]     # [start, tokens, steps] since the last log
+    tr.progress = progress
     try:
-        if cfg.check_memory and tr.step < cfg.steps:
-            for line in check_memory(tr.memory_probes(), tr.memory_knobs):
-                if jax.process_index() == 0 and progress: print(f"memory: {line}", file=sys.stderr)
         if tr.eval_at_start and tr.step == 0: log.log(0, tr.evaluate(), kind="eval")
         with StopSignal() as stop, jax.set_mesh(tr.mesh):
             while tr.step < cfg.steps and not stop.requested:
