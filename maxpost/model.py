@@ -14,10 +14,10 @@ from .sharding import active_mesh, constrain, create_sharded, logical_spec
 
 # %% auto 0
 __all__ = ['FAMILIES', 'ATTENTION_IMPLEMENTATIONS', 'REMAT_POLICIES', 'PRESETS', 'NEG_INF', 'ModelConfig', 'get_model_config',
-           'RMSNorm', 'rope_frequencies', 'rope_sin_cos', 'rotate', 'apply_rope', 'Spans', 'attention_mask',
-           'block_sizes', 'blockwise_attention', 'attention_implementation', 'attend', 'attend_step', 'after', 'dense',
-           'Attention', 'MLP', 'Block', 'Tape', 'recompute_in_backward', 'init_cache', 'grow_cache', 'Decoder',
-           'create_model', 'num_params', 'TunixPolicy']
+           'zero_of', 'plus_zero', 'after', 'rms_norm', 'RMSNorm', 'rope_frequencies', 'rope_sin_cos', 'rotate',
+           'apply_rope', 'Spans', 'attention_mask', 'block_sizes', 'blockwise_attention', 'attention_implementation',
+           'attend', 'attend_step', 'dense', 'Attention', 'gated', 'MLP', 'Block', 'Tape', 'recompute_in_backward',
+           'init_cache', 'grow_cache', 'Decoder', 'create_model', 'num_params', 'TunixPolicy']
 
 # %% ../nbs/02_model.ipynb
 FAMILIES = ("llama", "qwen3", "gemma3")
@@ -117,6 +117,49 @@ def _fan_in(*axes: int):
                                       / math.sqrt(math.prod(shape[a] for a in axes))).astype(dtype)
 
 # %% ../nbs/02_model.ipynb
+def zero_of(x: jax.Array) -> jax.Array:
+    "An exact float32 scalar 0 computed from the first element of `x` (finite or not): what adds it waits for `x`."
+    x0 = x.reshape(-1)[0].astype(jnp.float32)
+    return jnp.where(jnp.isfinite(x0), x0, 0.0) * 0.0
+
+def plus_zero(y: jax.Array, zero: jax.Array) -> jax.Array:
+    "`y` plus an exact `zero` (broadcast from the left) added to its bits as an integer, so that no float conversion of `y` can be moved past it and shared."
+    if not jnp.issubdtype(y.dtype, jnp.floating): return y + zero.astype(y.dtype).reshape(*zero.shape, *[1] * (y.ndim - zero.ndim))
+    bits = jax.lax.bitcast_convert_type(y, jnp.dtype(f"int{y.dtype.itemsize * 8}"))
+    z = zero.astype(bits.dtype).reshape(*zero.shape, *[1] * (y.ndim - zero.ndim))
+    return jax.lax.bitcast_convert_type(bits + z, y.dtype)
+
+def after(x: jax.Array, *ys: jax.Array) -> tuple:
+    "`ys` unchanged, but computed from `x`, so XLA must finish `x` first: row b of each `y` gets an exact zero made from the first element of row b of `x` (a batch-sharded `x` needs no communication)."
+    x_b = x.reshape(x.shape[0], -1)[:, 0].astype(jnp.float32)
+    zero_b = jnp.where(jnp.isfinite(x_b), x_b, 0.0) * 0.0
+    return tuple(plus_zero(y, zero_b) for y in ys)
+
+# %% ../nbs/02_model.ipynb
+def _rms_norm(x, w, eps, plus_one):
+    "(x r, r, weight) in float32."
+    x32 = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return x32 * r, r, (1.0 + w.astype(jnp.float32) if plus_one else w.astype(jnp.float32))
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, plus_one: bool) -> jax.Array:
+    "RMSNorm of the last axis in float32, weight `w` (or `1 + w`), in `x`'s dtype; its backward keeps only `x`."
+    n, _, scale = _rms_norm(x, w, eps, plus_one)
+    return (n * scale).astype(x.dtype)
+
+def _rms_norm_fwd(x, w, eps, plus_one): return rms_norm(x, w, eps, plus_one), (x, w)
+
+def _rms_norm_bwd(eps, plus_one, res, dy):
+    x, w = after(dy, res[0])[0], plus_zero(res[1], zero_of(dy))
+    n, r, scale = _rms_norm(x, w, eps, plus_one)
+    g = dy.astype(jnp.float32) * scale
+    dx = r * (g - n * jnp.mean(g * n, axis=-1, keepdims=True))
+    dw = jnp.sum((dy.astype(jnp.float32) * n).reshape(-1, n.shape[-1]), axis=0)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
 class RMSNorm(nnx.Module):
     "Root-mean-square norm over the last axis, in float32; weight is `1+w` when `plus_one`."
     def __init__(self, dim: int, *, eps: float = 1e-6, plus_one: bool = False, names=("embed",),
@@ -126,10 +169,7 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(init((dim,), param_dtype), out_sharding=tuple(names), eager_sharding=False)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        w = self.scale[...].astype(jnp.float32)
-        return (y * (1.0 + w if self.plus_one else w)).astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps, self.plus_one)
 
 # %% ../nbs/02_model.ipynb
 def rope_frequencies(head_dim: int, theta: float, rope_type: str = "default", factor: float = 1.0,
@@ -240,10 +280,19 @@ def _fori(n, body, carry):
     return body(0, carry) if isinstance(n, int) and n == 1 else jax.lax.fori_loop(0, n, body, carry)
 
 def _scan(body, carry, xs):
-    "`lax.scan(body, carry, xs)` over (i, *xs); a single step is straight-line code with `i` a Python 0."
-    if xs[0].shape[0] > 1: return jax.lax.scan(body, carry, (jnp.arange(xs[0].shape[0]), *xs))
-    carry, ys = body(carry, (0, *(x[0] for x in xs)))
-    return carry, jax.tree.map(lambda y: y[None], ys)
+    "`lax.scan(body, carry, xs)` over (i, *xs), its stacked outputs in buffers made from the data (see below); a single step is straight-line code with `i` a Python 0."
+    n = xs[0].shape[0]
+    if n == 1:
+        carry, ys = body(carry, (0, *(x[0] for x in xs)))
+        return carry, jax.tree.map(lambda y: y[None], ys)
+    shapes = jax.eval_shape(lambda c, x: body(c, x)[1], carry, (0, *(x[0] for x in xs)))
+    zero = zero_of(xs[0])
+    bufs = jax.tree.map(lambda s: plus_zero(jnp.zeros((n, *s.shape), s.dtype), zero), shapes)
+    def step(i, c):
+        carry, bufs = c
+        carry, ys = body(carry, (i, *(jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in xs)))
+        return carry, jax.tree.map(lambda b, y: jax.lax.dynamic_update_index_in_dim(b, y, i, 0), bufs, ys)
+    return jax.lax.fori_loop(0, n, step, (carry, bufs))
 
 # %% ../nbs/02_model.ipynb
 def _flash_forward(q_btnh, k_bkhs, v_bksh, spans: Spans, scale, window, causal: bool, bq: int, bk: int):
@@ -277,6 +326,7 @@ def _flash_forward(q_btnh, k_bkhs, v_bksh, spans: Spans, scale, window, causal: 
 def _flash_backward(scale, window, causal: bool, bq: int, bk: int, res, do_btnh):
     "Gradients (dq, dk, dv) of `_flash_forward`, recomputing each block's probabilities from the output and the log-sum-exp."
     q_btnh, k_bkhs, v_bksh, spans, o_btnh, lse = res
+    q_btnh, k_bkhs, v_bksh, o_btnh = after(do_btnh, q_btnh, k_bkhs, v_bksh, o_btnh)   # blocked anew, not kept
     b, t, n, h = q_btnh.shape
     kh, s = v_bksh.shape[1], v_bksh.shape[2]
     nq, nk = lse.shape[0], -(-s // bk)
@@ -302,7 +352,9 @@ def _flash_backward(scale, window, causal: bool, bq: int, bk: int, res, do_btnh)
         return (dk, dv), dq.astype(q_btnh.dtype)
     xs = (*(_blocked_queries(x, kh, bq) for x in (q_btnh, do_btnh.astype(q_btnh.dtype))), lse,
           _blocked_queries(rowdot, kh, bq), _blocked_spans(spans[0], bq), _blocked_spans(spans[1], bq))
-    (dk, dv), dq = _scan(query_block, (jnp.zeros(k_p.shape, jnp.float32), jnp.zeros(v_p.shape, jnp.float32)), xs)
+    zero = zero_of(do_btnh)                                  # the accumulators are made when the cotangent arrives
+    (dk, dv), dq = _scan(query_block, (plus_zero(jnp.zeros(k_p.shape, jnp.float32), zero),
+                                       plus_zero(jnp.zeros(v_p.shape, jnp.float32), zero)), xs)
     return (_unblocked(dq, t, n), dk[..., :s].astype(k_bkhs.dtype), dv[:, :, :s].astype(v_bksh.dtype),
             Spans(None, None, None, None))
 
@@ -419,18 +471,23 @@ def attend_step(q_b1nh, k_bkhs, v_bksh, k_bkh1, v_bk1h, spans: Spans, index, sca
     return o_bkgh.astype(q_b1nh.dtype).reshape(b, 1, n, h)
 
 # %% ../nbs/02_model.ipynb
-def after(x: jax.Array, *ys: jax.Array) -> tuple:
-    "`ys` unchanged, but computed from `x`, so XLA must finish `x` first: row b of each `y` gets an exact zero made from the first element of row b of `x` (a batch-sharded `x` needs no communication)."
-    x_b = x.reshape(x.shape[0], -1)[:, 0].astype(jnp.float32)
-    zero_b = jnp.where(jnp.isfinite(x_b), x_b, 0.0) * 0.0
-    return tuple(y + zero_b.reshape(-1, *[1] * (y.ndim - 1)).astype(y.dtype) for y in ys)
-
-# %% ../nbs/02_model.ipynb
-def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
-    "Contract the last `n_in` axes of `x` with the first `n_in` axes of `w` as one 2-D matmul over all leading axes of `x`."
+def _matmul(x, w, n_in: int):
     lead, out = x.shape[:x.ndim - n_in], w.shape[n_in:]
     k = math.prod(w.shape[:n_in])
     return (x.reshape(-1, k) @ w.reshape(k, -1)).reshape(*lead, *out)
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dense(x, w, n_in): return _matmul(x, w, n_in)
+def _dense_fwd(x, w, n_in): return _matmul(x, w, n_in), (x, w)
+def _dense_bwd(n_in, res, dy):
+    x, = after(dy, res[0])                       # its own copy of x for the weight gradient (see above)
+    w = plus_zero(res[1], zero_of(dy))
+    return jax.vjp(partial(_matmul, n_in=n_in), x, w)[1](dy)
+_dense.defvjp(_dense_fwd, _dense_bwd)
+
+def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
+    "Contract the last `n_in` axes of `x` with the first `n_in` axes of `w` as one 2-D matmul over all leading axes of `x`."
+    return _dense(x, w, n_in)
 
 # %% ../nbs/02_model.ipynb
 class Attention(nnx.Module):
@@ -480,6 +537,19 @@ class Attention(nnx.Module):
         return proj(o_btnh, self.o_proj[...].astype(dt), 2), (k_bkhs, v_bksh)
 
 # %% ../nbs/02_model.ipynb
+def _gate(g, u, activation: str):
+    act = jax.nn.silu if activation == "silu" else partial(jax.nn.gelu, approximate=True)
+    return act(g) * u
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def gated(g: jax.Array, u: jax.Array, activation: str) -> jax.Array:
+    "act(g) * u with act SiLU or tanh-GELU; its backward keeps only `g` and `u` and recomputes the activation."
+    return _gate(g, u, activation)
+
+def _gated_fwd(g, u, activation): return _gate(g, u, activation), (g, u)
+def _gated_bwd(activation, res, dm): return jax.vjp(partial(_gate, activation=activation), *after(dm, *res))[1](dm)
+gated.defvjp(_gated_fwd, _gated_bwd)
+
 class MLP(nnx.Module):
     "Gated MLP: down(act(gate x) * up x)."
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -492,8 +562,8 @@ class MLP(nnx.Module):
     def __call__(self, x_btd, tape=None):
         dt = jnp.dtype(self.cfg.dtype)
         proj = dense if tape is None else tape.dense
-        act = jax.nn.silu if self.cfg.activation == "silu" else partial(jax.nn.gelu, approximate=True)
-        h_btf = act(proj(x_btd, self.gate_proj[...].astype(dt))) * proj(x_btd, self.up_proj[...].astype(dt))
+        h_btf = gated(proj(x_btd, self.gate_proj[...].astype(dt)), proj(x_btd, self.up_proj[...].astype(dt)),
+                      self.cfg.activation)
         h_btf = constrain(h_btf, ("batch", "length", "mlp"))
         return proj(h_btf, self.down_proj[...].astype(dt))
 
@@ -554,7 +624,10 @@ def recompute_in_backward(module: nnx.Module, *args, keep_projections: bool = Fa
         return out, (state, args, tuple(tape.outputs) if keep_projections else ())
     def call_bwd(saved, ct):
         state, args, kept = saved
-        x, *kept = after(jax.tree.leaves(ct)[0], args[0], *kept)     # the recomputation waits for the cotangent
+        ct0 = jax.tree.leaves(ct)[0]
+        x, *kept = after(ct0, args[0], *kept)           # the recomputation waits for the cotangent,
+        zero = zero_of(ct0)                             # and so do the weights it reads (see above)
+        state = jax.tree.map(lambda p: plus_zero(p, zero), state)
         tape = Tape(kept) if keep_projections else None
         return jax.vjp(lambda st, a: run(st, a, tape), state, (x, *args[1:]))[1](ct)
     call.defvjp(call_fwd, call_bwd)

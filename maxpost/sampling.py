@@ -11,7 +11,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from .model import Decoder, init_cache, grow_cache
+from .model import Decoder, after, grow_cache, init_cache, plus_zero, zero_of
 from .sharding import active_mesh, constrain, logical_spec
 from .sft_loss import LOGITS_CHUNK_SIZE, chunk_length, join_chunks, split_chunks, token_logps
 
@@ -232,8 +232,9 @@ def _chunked_logps_fwd(h_btd, w_vd, tokens_bt, temperature, chunk_len, with_entr
 def _chunked_logps_bwd(chunk_len, with_entropy, res, cts):
     h_btd, w_vd, tokens_bt, temperature, lse, entropy = res
     g_logp, g_entropy = cts if with_entropy else (cts, jnp.zeros_like(cts))
-    w = w_vd.astype(h_btd.dtype)
-    def body(dw_vd, xs):
+    h_btd, = after(g_logp, h_btd)                                  # recomputed in the backward, not kept (02_model)
+    w = plus_zero(w_vd, zero_of(g_logp)).astype(h_btd.dtype)
+    def body(dw_dv, xs):
         h, tok, lse_c, ent_c, g_lp, g_ent = xs
         z, *_ = _logps_chunk(h, w, tok, temperature, False)     # the chunk's logits again
         p = jnp.exp(z - lse_c[..., None])
@@ -241,10 +242,10 @@ def _chunked_logps_bwd(chunk_len, with_entropy, res, cts):
         if with_entropy: dz = dz - g_ent[..., None] * p * (z - lse_c[..., None] + ent_c[..., None])
         dz = (dz / temperature).astype(h.dtype)
         dh = jnp.einsum("btv,vd->btd", dz, w, preferred_element_type=jnp.float32).astype(h.dtype)
-        return dw_vd + jnp.einsum("btv,btd->vd", dz, h, preferred_element_type=jnp.float32), dh
+        return dw_dv + jnp.einsum("btd,btv->dv", h, dz, preferred_element_type=jnp.float32), dh   # [D,V], as in 07
     xs = tuple(split_chunks(x, chunk_len) for x in (h_btd, tokens_bt, lse, entropy, g_logp, g_entropy))
-    dw_vd, dh = jax.lax.scan(body, jnp.zeros(w_vd.shape, jnp.float32), xs)
-    return join_chunks(dh, h_btd.shape[1]), dw_vd.astype(w_vd.dtype), None, None
+    dw_dv, dh = jax.lax.scan(body, plus_zero(jnp.zeros(w_vd.shape[::-1], jnp.float32), zero_of(g_logp)), xs)
+    return join_chunks(dh, h_btd.shape[1]), dw_dv.T.astype(w_vd.dtype), None, None
 
 _chunked_logps.defvjp(_chunked_logps_fwd, _chunked_logps_bwd)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from functools import partial
 import jax
 import jax.numpy as jnp
-from .model import Decoder
+from .model import Decoder, plus_zero, zero_of
 from .sharding import constrain
 
 # %% auto 0
@@ -80,7 +80,7 @@ def chunk_length(chunk_size: int, rows: int) -> int:
 
 # %% ../nbs/07_sft_loss.ipynb
 def _ce_chunk(h_btd, w_vd, targets_bt, weights_bt, z_loss: float, with_grad: bool):
-    "Sums (nll, z, correct) [3] of one chunk and, `with_grad`, d objective / d h [B,c,D] and d objective / d W [V,D] (float32)."
+    "Sums (nll, z, correct) [3] of one chunk and, `with_grad`, d objective / d h [B,c,D] and the transpose of d objective / d W, [D,V] (float32)."
     z_btv = constrain(jnp.einsum("btd,vd->btv", h_btd, w_vd, preferred_element_type=jnp.float32),
                       ("batch", "length", "vocab"))
     lse_bt = jax.nn.logsumexp(z_btv, axis=-1)
@@ -94,20 +94,20 @@ def _ce_chunk(h_btd, w_vd, targets_bt, weights_bt, z_loss: float, with_grad: boo
     dz_btv = p_btv * (1.0 + 2.0 * z_loss * lse_bt)[..., None] - (jnp.arange(z_btv.shape[-1]) == targets_bt[..., None])
     dz_btv = jnp.where(keep[..., None], weights_bt[..., None] * dz_btv, 0.0).astype(h_btd.dtype)
     dh_btd = jnp.einsum("btv,vd->btd", dz_btv, w_vd, preferred_element_type=jnp.float32)
-    dw_vd = jnp.einsum("btv,btd->vd", dz_btv, h_btd, preferred_element_type=jnp.float32)
-    return sums, dh_btd, dw_vd
+    dw_dv = jnp.einsum("btd,btv->dv", h_btd, dz_btv, preferred_element_type=jnp.float32)   # [D,V]: dz read as it lies
+    return sums, dh_btd, dw_dv
 
 # %% ../nbs/07_sft_loss.ipynb
 def _ce_scan(h_btd, w_vd, targets_bt, weights_bt, z_loss: float, chunk_len: int, with_grad: bool):
     "Sums [3] over all chunks and, `with_grad`, the gradients of the objective for h [B,T,D] and W [V,D] (float32)."
     w = w_vd.astype(h_btd.dtype)
-    def body(dw_vd, xs):
+    def body(dw_dv, xs):
         sums, dh, dw = _ce_chunk(*xs[:1], w, *xs[1:], z_loss, with_grad)
-        return (dw_vd + dw if with_grad else dw_vd), (sums, dh)
+        return (dw_dv + dw if with_grad else dw_dv), (sums, dh)
     xs = tuple(split_chunks(x, chunk_len) for x in (h_btd, targets_bt, weights_bt))
-    dw_vd = jnp.zeros(w_vd.shape, jnp.float32) if with_grad else None
-    dw_vd, (sums, dh) = jax.lax.scan(body, dw_vd, xs)
-    return sums.sum(0), (join_chunks(dh, h_btd.shape[1]) if with_grad else None), dw_vd
+    dw_dv = plus_zero(jnp.zeros(w_vd.shape[::-1], jnp.float32), zero_of(h_btd)) if with_grad else None   # see 02_model
+    dw_dv, (sums, dh) = jax.lax.scan(body, dw_dv, xs)
+    return sums.sum(0), (join_chunks(dh, h_btd.shape[1]) if with_grad else None), (dw_dv.T if with_grad else None)
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _chunked_ce(h_btd, w_vd, targets_bt, weights_bt, z_loss, chunk_len):
