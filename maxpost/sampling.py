@@ -114,10 +114,12 @@ def prefill(model, prompt_ids: jax.Array, prompt_mask: jax.Array, cache_length: 
                           logits_range=(P - 1, P))                         # only the last column's logits
     return logits[:, -1].astype(jnp.float32), cache
 
+# %% ../nbs/10_sampling.ipynb
 def decode_chunk(max_completion_length: int, min_chunk: int = 32, max_chunks: int = 4) -> int:
     "Decode steps per while loop: at least `min_chunk`, at most `max_chunks` loops (each loop is compiled once)."
     return max(min_chunk, -(-max_completion_length // max_chunks))
 
+# %% ../nbs/10_sampling.ipynb
 def decode(model, cache, logits_bv, prompt_lengths, key, temperature, top_k, top_p, eos_ids, pad_id,
            max_completion_length: int, chunk: int | None = None):
     "Sample a token per row per step until `max_completion_length` or every row has emitted one of `eos_ids`. `cache` needs room for the first `chunk` steps; it grows by `chunk` slots before each later chunk."
