@@ -312,9 +312,16 @@ def _flash_forward(q_btnh, k_bkhs, v_bksh, spans: Spans, scale, window, causal: 
             p, c = jnp.exp(s_ij - m_new), jnp.exp(m_i - m_new)
             pv = jnp.einsum("bkms,bksh->bkmh", p.astype(v_bksh.dtype), v_j, preferred_element_type=jnp.float32)
             return m_new, c * l_i + p.sum(-1, keepdims=True), c * acc + pv
-        m = q_i.shape[2]
-        init = (jnp.full((b, kh, m, 1), NEG_INF / 2), jnp.zeros((b, kh, m, 1)), jnp.zeros((b, kh, m, h)))
-        m_i, l_i, acc = _fori(_key_blocks_needed(i, bq, bk, nk, causal), key_block, init)
+        m, n_kb = q_i.shape[2], _key_blocks_needed(i, bq, bk, nk, causal)
+        if isinstance(n_kb, int) and n_kb == 1:              # one key block (short rows, decode): a plain softmax
+            s_ij, _ = _block_scores(q_i, qp_i, qs_i, k_bkhs, kp, ks, 0, bk, scale, window, i * bq if causal else None)
+            m_i = jnp.maximum(s_ij.max(-1, keepdims=True), NEG_INF / 2)
+            p = jnp.exp(s_ij - m_i)
+            l_i, acc = p.sum(-1, keepdims=True), jnp.einsum("bkms,bksh->bkmh", p.astype(v_bksh.dtype), v_bksh[:, :, :bk],
+                                                            preferred_element_type=jnp.float32)
+        else:
+            init = (jnp.full((b, kh, m, 1), NEG_INF / 2), jnp.zeros((b, kh, m, 1)), jnp.zeros((b, kh, m, h)))
+            m_i, l_i, acc = _fori(n_kb, key_block, init)
         seen = l_i > 0                                   # a query that sees no key: output 0, lse +big
         l_i = jnp.where(seen, l_i, 1.0)
         return None, ((acc / l_i).astype(q_btnh.dtype), jnp.where(seen, m_i + jnp.log(l_i), -NEG_INF))
