@@ -195,6 +195,7 @@ def rope_sin_cos(positions_bt: jax.Array, inv_freq_h: np.ndarray) -> tuple[jax.A
                          precision=jax.lax.Precision.HIGHEST)
     return sc_bt2h[:, :, :1], sc_bt2h[:, :, 1:]
 
+# %% ../nbs/02_model.ipynb
 def rotate(x_btnh: jax.Array, sin_cos: tuple[jax.Array, jax.Array]) -> jax.Array:
     "Rotate feature pairs (j, j + head_dim/2) of `x_btnh` by the angles whose `rope_sin_cos` is given."
     sin, cos = sin_cos
@@ -213,6 +214,7 @@ class Spans(NamedTuple):
     k_positions: jax.Array
     k_segment_ids: jax.Array
 
+# %% ../nbs/02_model.ipynb
 def attention_mask(q_positions_bt, q_segment_ids_bt, k_positions_bs, k_segment_ids_bs,
                    window: int | None = None) -> jax.Array:
     "Bool [B,T,S]: same non-zero segment, causal by position, within `window` when given."
@@ -650,6 +652,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
                 segment_ids=jnp.zeros((b, s), jnp.int32), positions=jnp.zeros((b, s), jnp.int32),
                 index=jnp.zeros((), jnp.int32))
 
+# %% ../nbs/02_model.ipynb
 def grow_cache(cache: dict, max_len: int) -> dict:
     "`cache` with empty slots appended up to `max_len` slots; filled slots and `index` unchanged, so attention sees the same keys."
     pad = max_len - cache["segment_ids"].shape[1]

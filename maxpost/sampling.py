@@ -89,6 +89,7 @@ def first_argmax(x_bv: jax.Array) -> jax.Array:
     hit_bv = x_bv == jnp.max(x_bv, axis=-1, keepdims=True)
     return jnp.min(jnp.where(hit_bv, jnp.arange(x_bv.shape[-1], dtype=jnp.int32), x_bv.shape[-1] - 1), axis=-1)
 
+# %% ../nbs/10_sampling.ipynb
 def sample_token(key: jax.Array, logits_bv: jax.Array, temperature, top_k, top_p) -> jax.Array:
     "One token id per row: a draw from the filtered distribution, or the argmax when `temperature == 0`."
     drawn = draw_categorical(key, filter_logits(logits_bv, temperature, top_k, top_p))
@@ -150,6 +151,7 @@ def repeat_rows(tree, g: int):
     "Every array in `tree` with each row repeated `g` times (row b becomes rows b*g .. b*g+g-1); scalars, such as a cache's `index`, unchanged."
     return jax.tree.map(lambda x: jnp.repeat(x, g, 0) if x.ndim else x, tree)
 
+# %% ../nbs/10_sampling.ipynb
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_completion_length", "chunk", "num_generations"))
 def sample_completions(graphdef, state, prompt_ids, prompt_mask, key, temperature, top_k, top_p, eos_ids, pad_id,
                        *, max_completion_length: int, chunk: int | None = None, num_generations: int = 1):
@@ -162,6 +164,7 @@ def sample_completions(graphdef, state, prompt_ids, prompt_mask, key, temperatur
     return decode(model, cache, logits, prompt_mask.sum(1), key, temperature, top_k, top_p, eos_ids, pad_id,
                   max_completion_length, chunk)
 
+# %% ../nbs/10_sampling.ipynb
 def stop_id_array(eos_ids: Sequence[int], multiple: int = 8) -> np.ndarray:
     "Stop ids as int32, padded with -1 to a multiple of `multiple` so that a few more ids do not recompile."
     ids = [int(i) for i in eos_ids]

@@ -74,6 +74,7 @@ def join_chunks(x: jax.Array, t: int) -> jax.Array:
     n, b, c = x.shape[:3]
     return x.swapaxes(0, 1).reshape(b, n * c, *x.shape[3:])[:, :t]
 
+# %% ../nbs/07_sft_loss.ipynb
 def chunk_length(chunk_size: int, rows: int) -> int:
     "Positions a chunk of `chunk_size` tokens holds of each of `rows` rows (at least 1)."
     return max(1, chunk_size // rows)

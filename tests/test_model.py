@@ -249,7 +249,7 @@ def test_tunix_qwen3_through_adapter(tmp_path):
 
 # ---- attention: blockwise vs the naive masked softmax, kernels, sharding, the decode loop's copies
 
-from maxpost.model import Spans, attend, blockwise_attention, attend_step
+from maxpost.model import Spans, attend, blockwise_attention
 
 
 def _naive_mask(qpos, qseg, kpos, kseg, window=None, causal=False):
@@ -298,7 +298,6 @@ def _packed_spans(b, t, seed):
 ATTENTION_CASES = {
     # name: (b, t, n, k, h, window, causal, block_q, block_kv)
     "causal_packed_gqa": (3, 37, 6, 2, 8, None, True, 8, 8),
-    "causal_mha": (2, 20, 4, 4, 8, None, True, 16, 16),
     "causal_mqa_window": (2, 29, 4, 1, 8, 5, True, 8, 8),
     "not_causal_window": (2, 23, 4, 2, 8, 7, False, 8, 8),
 }
@@ -341,21 +340,6 @@ def test_blockwise_over_a_kv_cache():
         gr = jax.grad(lambda *a: (r(*a) * w).sum(), (0, 1, 2))(q, kk, v)
         for a, c in zip(gf, gr):
             np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-5)
-
-
-def test_attend_step_equals_blockwise_over_written_cache():
-    """The copy-free single-KV-head decode step equals attention over the cache after the write."""
-    b, s, n, h, idx = 3, 10, 4, 8, 6
-    q, kc, vc, _ = _qkv(7, b, 1, s, n, 1, h)
-    kc, vc = kc.at[..., idx:].set(0), vc.at[:, :, idx:].set(0)
-    kn, vn = jax.random.normal(jax.random.key(8), (b, 1, h, 1)), jax.random.normal(jax.random.key(9), (b, 1, 1, h))
-    kseg = np.ones((b, s), np.int32); kseg[:, idx + 1:] = 0; kseg[1, :2] = 0
-    kpos = np.maximum(np.cumsum(kseg, 1) - 1, 0).astype(np.int32)
-    sp = Spans(*map(jnp.asarray, (kpos[:, idx:idx + 1], kseg[:, idx:idx + 1], kpos, kseg)))
-    kw = jax.lax.dynamic_update_slice(kc, kn, (0, 0, 0, idx)); vw = jax.lax.dynamic_update_slice(vc, vn, (0, 0, idx, 0))
-    for window in (None, 3):
-        got = jax.jit(attend_step, static_argnums=(7, 8))(q, kc, vc, kn, vn, sp, jnp.int32(idx), 0.5, window)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(attend(q, kw, vw, sp, 0.5, window=window)), atol=1e-5)
 
 
 @pytest.mark.parametrize("impl", ["xla", "splash"])
