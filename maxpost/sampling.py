@@ -6,18 +6,19 @@
 from __future__ import annotations
 import dataclasses, functools, math, warnings
 from collections.abc import Sequence
+from functools import partial
 import numpy as np
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from .model import Decoder, init_cache, grow_cache
-from .sharding import active_mesh, logical_spec
-from .sft_loss import token_logps
+from .model import Decoder, after, grow_cache, init_cache, plus_zero, zero_of
+from .sharding import active_mesh, constrain, logical_spec
+from .sft_loss import LOGITS_CHUNK_SIZE, chunk_length, join_chunks, split_chunks, token_logps
 
 # %% auto 0
 __all__ = ['bucket_length', 'left_pad', 'prompt_positions', 'filter_logits', 'draw_categorical', 'first_argmax', 'sample_token',
-           'scaled_logps', 'prefill', 'decode_chunk', 'decode', 'repeat_rows', 'sample_completions', 'stop_id_array',
-           'Rollout', 'generate', 'completion_logps']
+           'scaled_logps', 'scaled_entropy', 'prefill', 'decode_chunk', 'decode', 'repeat_rows', 'sample_completions',
+           'stop_id_array', 'Rollout', 'generate', 'chunked_logps', 'completion_logps']
 
 # %% ../nbs/10_sampling.ipynb
 def bucket_length(n: int, max_prompt_length: int, min_bucket: int = 16) -> int:
@@ -88,6 +89,7 @@ def first_argmax(x_bv: jax.Array) -> jax.Array:
     hit_bv = x_bv == jnp.max(x_bv, axis=-1, keepdims=True)
     return jnp.min(jnp.where(hit_bv, jnp.arange(x_bv.shape[-1], dtype=jnp.int32), x_bv.shape[-1] - 1), axis=-1)
 
+# %% ../nbs/10_sampling.ipynb
 def sample_token(key: jax.Array, logits_bv: jax.Array, temperature, top_k, top_p) -> jax.Array:
     "One token id per row: a draw from the filtered distribution, or the argmax when `temperature == 0`."
     drawn = draw_categorical(key, filter_logits(logits_bv, temperature, top_k, top_p))
@@ -99,6 +101,12 @@ def scaled_logps(logits_btv: jax.Array, tokens_bt: jax.Array, temperature=1.0) -
     return token_logps(logits_btv.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0), tokens_bt)
 
 # %% ../nbs/10_sampling.ipynb
+def scaled_entropy(logits_btv: jax.Array, temperature=1.0) -> jax.Array:
+    "Entropy (float32) of softmax(logits / temperature) at each position; temperature 0 counts as 1."
+    z = logits_btv.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
+    return jax.nn.logsumexp(z, axis=-1) - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
+
+# %% ../nbs/10_sampling.ipynb
 def prefill(model, prompt_ids: jax.Array, prompt_mask: jax.Array, cache_length: int):
     "Run the left-padded prompts through `model` once, filling a fresh cache: (next-token logits [B,V], cache)."
     cache = init_cache(model.cfg, prompt_ids.shape[0], cache_length)   # in the model's compute dtype
@@ -107,10 +115,12 @@ def prefill(model, prompt_ids: jax.Array, prompt_mask: jax.Array, cache_length: 
                           logits_range=(P - 1, P))                         # only the last column's logits
     return logits[:, -1].astype(jnp.float32), cache
 
+# %% ../nbs/10_sampling.ipynb
 def decode_chunk(max_completion_length: int, min_chunk: int = 32, max_chunks: int = 4) -> int:
     "Decode steps per while loop: at least `min_chunk`, at most `max_chunks` loops (each loop is compiled once)."
     return max(min_chunk, -(-max_completion_length // max_chunks))
 
+# %% ../nbs/10_sampling.ipynb
 def decode(model, cache, logits_bv, prompt_lengths, key, temperature, top_k, top_p, eos_ids, pad_id,
            max_completion_length: int, chunk: int | None = None):
     "Sample a token per row per step until `max_completion_length` or every row has emitted one of `eos_ids`. `cache` needs room for the first `chunk` steps; it grows by `chunk` slots before each later chunk."
@@ -141,6 +151,7 @@ def repeat_rows(tree, g: int):
     "Every array in `tree` with each row repeated `g` times (row b becomes rows b*g .. b*g+g-1); scalars, such as a cache's `index`, unchanged."
     return jax.tree.map(lambda x: jnp.repeat(x, g, 0) if x.ndim else x, tree)
 
+# %% ../nbs/10_sampling.ipynb
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_completion_length", "chunk", "num_generations"))
 def sample_completions(graphdef, state, prompt_ids, prompt_mask, key, temperature, top_k, top_p, eos_ids, pad_id,
                        *, max_completion_length: int, chunk: int | None = None, num_generations: int = 1):
@@ -153,6 +164,7 @@ def sample_completions(graphdef, state, prompt_ids, prompt_mask, key, temperatur
     return decode(model, cache, logits, prompt_mask.sum(1), key, temperature, top_k, top_p, eos_ids, pad_id,
                   max_completion_length, chunk)
 
+# %% ../nbs/10_sampling.ipynb
 def stop_id_array(eos_ids: Sequence[int], multiple: int = 8) -> np.ndarray:
     "Stop ids as int32, padded with -1 to a multiple of `multiple` so that a few more ids do not recompile."
     ids = [int(i) for i in eos_ids]
@@ -195,36 +207,109 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], *, max_prompt_length: i
     return Rollout(ids, mask, c_ids, c_mask, logps, text, n_trunc)
 
 # %% ../nbs/10_sampling.ipynb
+def _logps_chunk(h_btd, w_vd, tokens_bt, temperature, with_entropy: bool):
+    "Scaled logits [B,c,V] (float32) of one chunk, their lse, the tokens' log-probs and (or None) the entropy [B,c]."
+    z_btv = constrain(jnp.einsum("btd,vd->btv", h_btd, w_vd, preferred_element_type=jnp.float32),
+                      ("batch", "length", "vocab")) / temperature
+    lse_bt = jax.nn.logsumexp(z_btv, axis=-1)
+    logp_bt = jnp.take_along_axis(z_btv, tokens_bt[..., None], axis=-1)[..., 0] - lse_bt
+    entropy_bt = lse_bt - jnp.sum(jnp.exp(z_btv - lse_bt[..., None]) * z_btv, axis=-1) if with_entropy else None
+    return z_btv, lse_bt, logp_bt, entropy_bt
+
+def _logps_scan(h_btd, w_vd, tokens_bt, temperature, chunk_len: int, with_entropy: bool):
+    "Log-probs, entropy (or None) and lse [B,T] of all chunks."
+    w = w_vd.astype(h_btd.dtype)
+    body = lambda _, xs: (None, _logps_chunk(xs[0], w, xs[1], temperature, with_entropy)[1:])
+    _, (lse, logp, entropy) = jax.lax.scan(body, None, (split_chunks(h_btd, chunk_len), split_chunks(tokens_bt, chunk_len)))
+    t = h_btd.shape[1]
+    return join_chunks(logp, t), (join_chunks(entropy, t) if with_entropy else None), join_chunks(lse, t)
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _chunked_logps(h_btd, w_vd, tokens_bt, temperature, chunk_len, with_entropy):
+    logp, entropy, _ = _logps_scan(h_btd, w_vd, tokens_bt, temperature, chunk_len, with_entropy)
+    return (logp, entropy) if with_entropy else logp
+
+def _chunked_logps_fwd(h_btd, w_vd, tokens_bt, temperature, chunk_len, with_entropy):
+    logp, entropy, lse = _logps_scan(h_btd, w_vd, tokens_bt, temperature, chunk_len, with_entropy)
+    out = (logp, entropy) if with_entropy else logp
+    return out, (h_btd, w_vd, tokens_bt, temperature, lse, entropy if with_entropy else lse)
+
+def _chunked_logps_bwd(chunk_len, with_entropy, res, cts):
+    h_btd, w_vd, tokens_bt, temperature, lse, entropy = res
+    g_logp, g_entropy = cts if with_entropy else (cts, jnp.zeros_like(cts))
+    h_btd, = after(g_logp, h_btd)                                  # recomputed in the backward, not kept (02_model)
+    w = plus_zero(w_vd, zero_of(g_logp)).astype(h_btd.dtype)
+    def body(dw_dv, xs):
+        h, tok, lse_c, ent_c, g_lp, g_ent = xs
+        z, *_ = _logps_chunk(h, w, tok, temperature, False)     # the chunk's logits again
+        p = jnp.exp(z - lse_c[..., None])
+        dz = g_lp[..., None] * ((jnp.arange(z.shape[-1]) == tok[..., None]) - p)
+        if with_entropy: dz = dz - g_ent[..., None] * p * (z - lse_c[..., None] + ent_c[..., None])
+        dz = (dz / temperature).astype(h.dtype)
+        dh = jnp.einsum("btv,vd->btd", dz, w, preferred_element_type=jnp.float32).astype(h.dtype)
+        return dw_dv + jnp.einsum("btd,btv->dv", h, dz, preferred_element_type=jnp.float32), dh   # [D,V], as in 07
+    xs = tuple(split_chunks(x, chunk_len) for x in (h_btd, tokens_bt, lse, entropy, g_logp, g_entropy))
+    dw_dv, dh = jax.lax.scan(body, plus_zero(jnp.zeros(w_vd.shape[::-1], jnp.float32), zero_of(g_logp)), xs)
+    return join_chunks(dh, h_btd.shape[1]), dw_dv.T.astype(w_vd.dtype), None, None
+
+_chunked_logps.defvjp(_chunked_logps_fwd, _chunked_logps_bwd)
+
+def chunked_logps(hidden_btd: jax.Array, w_vd: jax.Array, tokens_bt: jax.Array, temperature=1.0, *,
+                  chunk_size: int = LOGITS_CHUNK_SIZE, with_entropy: bool = False):
+    "Log-probs [B,T] float32 of `tokens_bt` under softmax(hidden @ w.T / temperature), `chunk_size` tokens at a time; with `with_entropy`, (log-probs, entropy). Temperature 0 counts as 1."
+    t = jnp.asarray(temperature, jnp.float32)
+    return _chunked_logps(hidden_btd, w_vd, jnp.asarray(tokens_bt, jnp.int32), jnp.where(t > 0, t, 1.0),
+                          chunk_length(chunk_size, hidden_btd.shape[0]), with_entropy)
+
+# %% ../nbs/10_sampling.ipynb
 def completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0,
-                     num_generations: int = 1) -> jax.Array:
-    "Teacher-forced log-probs [B,T] of `completion_ids` after left-padded prompts, under softmax(logits / temperature); 0 where masked. With `num_generations` G > 1, rows b*G..b*G+G-1 must share a prompt (as `generate` returns them) and a `Decoder` runs each prompt once."
+                     num_generations: int = 1, *, chunk_size: int | None = LOGITS_CHUNK_SIZE,
+                     with_entropy: bool = False):
+    "Teacher-forced log-probs [B,T] of `completion_ids` after left-padded prompts, under softmax(logits / temperature); 0 where masked. With `with_entropy`, (log-probs, entropy [B,T]). A `Decoder` computes the logits `chunk_size` tokens at a time (0 / None: all at once); with `num_generations` G > 1, rows b*G..b*G+G-1 must share a prompt (as `generate` returns them) and a `Decoder` runs each prompt once."
     P, T = prompt_ids.shape[1], completion_ids.shape[1]
     prompt_ids, prompt_mask = jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32)
-    completion_ids = jnp.asarray(completion_ids, jnp.int32)
-    if _share_prompts(model, prompt_ids.shape[0], num_generations):
-        logits = _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, num_generations)
-    else:
-        tokens = jnp.concatenate([prompt_ids, completion_ids], 1)
-        positions = jnp.concatenate([prompt_positions(prompt_mask),
-                                     prompt_mask.sum(1, keepdims=True) + jnp.arange(T, dtype=jnp.int32)[None]], 1)
-        segment_ids = jnp.concatenate([prompt_mask, jnp.ones((tokens.shape[0], T), jnp.int32)], 1)
-        logits = model(tokens, positions, segment_ids, logits_range=(P - 1, P + T - 1))   # no logits for the prompt
-    return jnp.where(jnp.asarray(completion_mask) > 0, scaled_logps(logits, completion_ids, temperature), 0.0)
+    completion_ids, keep = jnp.asarray(completion_ids, jnp.int32), jnp.asarray(completion_mask) > 0
+    if isinstance(model, Decoder):
+        if _share_prompts(model, prompt_ids.shape[0], num_generations):
+            hidden = _shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids, num_generations)
+        else: hidden = model(*_teacher_forced_inputs(prompt_ids, prompt_mask, completion_ids),
+                             logits_range=(P - 1, P + T - 1), return_hidden=True)
+        if chunk_size:
+            out = chunked_logps(hidden, model.output_weights(), completion_ids, temperature, chunk_size=chunk_size,
+                                with_entropy=with_entropy)
+            logps, entropy = out if with_entropy else (out, None)
+        else: logits = model.logits(hidden)
+    else: logits = model(*_teacher_forced_inputs(prompt_ids, prompt_mask, completion_ids),
+                         logits_range=(P - 1, P + T - 1))              # no logits for the prompt
+    if not (chunk_size and isinstance(model, Decoder)):
+        logps = scaled_logps(logits, completion_ids, temperature)
+        entropy = scaled_entropy(logits, temperature) if with_entropy else None
+    logps = jnp.where(keep, logps, 0.0)
+    return (logps, jnp.where(keep, entropy, 0.0)) if with_entropy else logps
+
+def _teacher_forced_inputs(prompt_ids, prompt_mask, completion_ids):
+    "tokens, positions and segment ids [B,P+T] of left-padded prompts followed by their completions."
+    T = completion_ids.shape[1]
+    tokens = jnp.concatenate([prompt_ids, completion_ids], 1)
+    positions = jnp.concatenate([prompt_positions(prompt_mask),
+                                 prompt_mask.sum(1, keepdims=True) + jnp.arange(T, dtype=jnp.int32)[None]], 1)
+    return tokens, positions, jnp.concatenate([prompt_mask, jnp.ones((tokens.shape[0], T), jnp.int32)], 1)
 
 def _share_prompts(model, batch: int, g: int) -> bool:
-    "Whether to run each group's prompt once: a `Decoder`, g > 1, and (under a mesh) the prompts split over devices as the rows are, so each device repeats its own groups' caches."
-    if g <= 1 or not isinstance(model, Decoder): return False
+    "Whether to run each group's prompt once: g > 1 and (under a mesh) the prompts split over devices as the rows are, so each device repeats its own groups' caches."
+    if g <= 1: return False
     if batch % g: raise ValueError(f"num_generations={g} must divide the batch size {batch}")
     mesh = active_mesh()
     return mesh is None or logical_spec(("batch",), (batch // g,), mesh) == logical_spec(("batch",), (batch,), mesh)
 
-def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, g: int) -> jax.Array:
-    "Logits [B,T,V] predicting each completion token: each group's prompt through the model once into a cache, repeated g times, then the completions."
+def _shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids, g: int) -> jax.Array:
+    "Final hidden states [B,T,D] predicting each completion token: each group's prompt through the model once into a cache, repeated g times, then the completions."
     B, P, T = prompt_ids.shape[0], prompt_ids.shape[1], completion_ids.shape[1]
     ids_u, mask_u = prompt_ids.reshape(B // g, g, P)[:, 0], prompt_mask.reshape(B // g, g, P)[:, 0]
-    last_bv, cache = repeat_rows(prefill(model, ids_u, mask_u, P + T - 1), g)   # last_bv predicts completion token 0
-    last = last_bv[:, None]
+    cache = init_cache(model.cfg, B // g, P + T - 1)
+    last, cache = model(ids_u, prompt_positions(mask_u), mask_u, cache=cache, logits_range=(P - 1, P), return_hidden=True)
+    last, cache = repeat_rows((last, cache), g)               # last predicts completion token 0
     if T == 1: return last
     positions = prompt_mask.sum(1, keepdims=True) + jnp.arange(T - 1, dtype=jnp.int32)[None]
-    rest, _ = model(completion_ids[:, :-1], positions, jnp.ones_like(positions), cache=cache)
+    rest, _ = model(completion_ids[:, :-1], positions, jnp.ones_like(positions), cache=cache, return_hidden=True)
     return jnp.concatenate([last, rest], 1)

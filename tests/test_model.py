@@ -245,3 +245,195 @@ def test_tunix_qwen3_through_adapter(tmp_path):
     assert diff < 1e-4
     seg = jnp.asarray([[1] * 5 + [2] * 7] * 2); pos = jnp.asarray([list(range(5)) + list(range(7))] * 2)
     np.testing.assert_allclose(np.asarray(policy(tokens, pos, seg)), np.asarray(ours(tokens, pos, seg)), atol=1e-4)
+
+
+# ---- attention: blockwise vs the naive masked softmax, kernels, sharding, the decode loop's copies
+
+from maxpost.model import Spans, attend, blockwise_attention
+
+
+def _naive_mask(qpos, qseg, kpos, kseg, window=None, causal=False):
+    "The mask rule as a loop (NumPy): same non-zero segment, causal by position, window; by index too when causal."
+    b, t = qpos.shape; s = kpos.shape[1]
+    m = np.zeros((b, t, s), bool)
+    for i in range(b):
+        for a in range(t):
+            for c in range(s):
+                ok = qseg[i, a] == kseg[i, c] != 0 and kpos[i, c] <= qpos[i, a]
+                ok = ok and (window is None or qpos[i, a] - kpos[i, c] < window) and (not causal or c <= a)
+                m[i, a, c] = ok
+    return m
+
+
+def _softmax_attention(q, k_bkhs, v_bksh, mask, scale):
+    "Reference: repeat kv heads, one masked softmax over all keys (float32); rows that see nothing give 0."
+    g = q.shape[2] // k_bkhs.shape[1]
+    k = jnp.repeat(k_bkhs, g, 1); v = jnp.repeat(v_bksh, g, 1)                  # [B,N,H,S], [B,N,S,H]
+    s = jnp.einsum("btnh,bnhs->bnts", q, k) * scale
+    s = jnp.where(mask[:, None], s, -jnp.inf)
+    p = jnp.where(mask[:, None], jnp.exp(s - jnp.max(jnp.where(mask[:, None], s, -1e30), -1, keepdims=True)), 0.0)
+    p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
+    return jnp.einsum("bnts,bnsh->btnh", p, v)
+
+
+def _qkv(seed, b, t, s, n, k, h):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    return (jax.random.normal(ks[0], (b, t, n, h)), jax.random.normal(ks[1], (b, k, h, s)),
+            jax.random.normal(ks[2], (b, k, s, h)), jax.random.normal(ks[3], (b, t, n, h)))
+
+
+def _packed_spans(b, t, seed):
+    "Rows of 1-3 packed segments with restarting positions, some with left or right padding."
+    rng = np.random.default_rng(seed)
+    seg = np.zeros((b, t), np.int32); pos = np.zeros((b, t), np.int32)
+    for i in range(b):
+        lead = int(rng.integers(0, 4)) if i % 2 else 0
+        cuts = np.sort(rng.choice(np.arange(lead + 1, t), size=int(rng.integers(1, 3)), replace=False))
+        start, sid = lead, 1
+        for c in [*cuts, t - (i % 3)]:
+            seg[i, start:c] = sid; pos[i, start:c] = np.arange(c - start); start, sid = c, sid + 1
+    return pos, seg
+
+
+ATTENTION_CASES = {
+    # name: (b, t, n, k, h, window, causal, block_q, block_kv)
+    "causal_packed_gqa": (3, 37, 6, 2, 8, None, True, 8, 8),
+    "causal_mqa_window": (2, 29, 4, 1, 8, 5, True, 8, 8),
+    "not_causal_window": (2, 23, 4, 2, 8, 7, False, 8, 8),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ATTENTION_CASES))
+def test_blockwise_equals_naive_softmax(case):
+    """Values and gradients (q, k, v) of the blockwise attention equal one masked softmax over all keys."""
+    b, t, n, k, h, window, causal, bq, bk = ATTENTION_CASES[case]
+    q, kk, v, w = _qkv(1, b, t, t, n, k, h)
+    pos, seg = _packed_spans(b, t, 2)
+    mask = jnp.asarray(_naive_mask(pos, seg, pos, seg, window, causal))
+    sp = Spans(*map(jnp.asarray, (pos, seg, pos, seg)))
+    seen = mask.any(-1)[:, :, None, None]
+    f = lambda q, k, v: blockwise_attention(q, k, v, sp, 0.35, window=window, causal=causal, block_q=bq, block_kv=bk)
+    r = lambda q, k, v: _softmax_attention(q, k, v, mask, 0.35)
+    vg = lambda g: jax.jit(jax.value_and_grad(lambda q, k, v: (g(q, k, v) * w * seen).sum(), (0, 1, 2)))(q, kk, v)
+    (lf, gf), (lr, gr) = vg(f), vg(r)
+    np.testing.assert_allclose(np.asarray(jax.jit(f)(q, kk, v) * seen), np.asarray(r(q, kk, v) * seen), atol=1e-5)
+    np.testing.assert_allclose(float(lf), float(lr), rtol=1e-5)
+    for a, c in zip(gf, gr):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-5)
+    assert (np.asarray(jax.jit(f)(q, kk, v))[~np.asarray(seen[..., 0, 0])] == 0).all()   # a query that sees nothing: 0
+
+
+def test_blockwise_over_a_kv_cache():
+    """Prefill (5 queries) and decode (1 query) over a 19-slot cache with empty slots, left padding and a window."""
+    b, s, n, k, h = 2, 19, 4, 2, 8
+    kseg = np.zeros((b, s), np.int32); kseg[0, :14] = 1; kseg[1, 3:14] = 1            # row 1 left-padded
+    kpos = np.maximum(np.cumsum(kseg, 1) - 1, 0).astype(np.int32)
+    for t, window in [(5, None), (5, 4), (1, None), (1, 3)]:
+        q, kk, v, w = _qkv(3 + t, b, t, s, n, k, h)
+        qpos, qseg = kpos[:, 14 - t:14], kseg[:, 14 - t:14]
+        mask = jnp.asarray(_naive_mask(qpos, qseg, kpos, kseg, window))
+        sp = Spans(*map(jnp.asarray, (qpos, qseg, kpos, kseg)))
+        f = lambda q, k, v: attend(q, k, v, sp, 0.3, window=window)
+        r = lambda q, k, v: _softmax_attention(q, k, v, mask, 0.3)
+        np.testing.assert_allclose(np.asarray(jax.jit(f)(q, kk, v)), np.asarray(r(q, kk, v)), atol=1e-5)
+        gf = jax.jit(jax.grad(lambda *a: (f(*a) * w).sum(), (0, 1, 2)))(q, kk, v)
+        gr = jax.grad(lambda *a: (r(*a) * w).sum(), (0, 1, 2))(q, kk, v)
+        for a, c in zip(gf, gr):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "splash"])
+def test_kernels_equal_blockwise_where_they_fit(impl):
+    """`attend` with jax.nn.dot_product_attention (its xla reference, called as the GPU path calls cuDNN) or Splash
+    (Pallas interpret mode) equals the blockwise attention, values and gradients; batches a kernel cannot express
+    (packed for cuDNN; a revisited segment for Splash) take the blockwise path and are still right."""
+    b, t, n, k, h = 2, 128, 4, 2, 16
+    q, kk, v, w = _qkv(11, b, t, t, n, k, h)
+    fits_seg = np.ones((b, t), np.int32); fits_seg[1, 100:] = 0                   # one sequence per row, right padding
+    fits_pos = np.broadcast_to(np.arange(t), (b, t)).astype(np.int32)
+    cases = [(fits_pos, fits_seg, 1)]
+    if impl == "splash":                                                        # splash also takes packed, left-padded rows
+        pos, seg = _packed_spans(b, t, 4); cases.append((pos, seg, 1))
+    seg = fits_seg.copy(); seg[0, 60:] = 2; seg[0, 90:] = 1                     # segment 1 comes back: blockwise
+    pos = fits_pos.copy(); pos[0, 60:90] = np.arange(30); pos[0, 90:] = np.arange(60, 98)
+    cases.append((pos, seg, 0))
+    for pos, seg, fits in cases:
+        sp = Spans(*map(jnp.asarray, (pos, seg, pos, seg)))
+        real = jnp.asarray(seg != 0)[:, :, None, None]
+        from maxpost.model import _one_sequence_rows, _contiguous_segments
+        assert bool((_contiguous_segments if impl == "splash" else _one_sequence_rows)(sp)) == bool(fits)
+        for window in (None, 16):
+            vg = lambda i: jax.jit(jax.value_and_grad(lambda q, k, v: (attend(q, k, v, sp, 0.25, window=window, causal=True,
+                                                                             implementation=i) * w * real).sum(), (0, 1, 2)))(q, kk, v)
+            (lk, gk), (lb, gb) = vg(impl), vg("blockwise")
+            np.testing.assert_allclose(float(lk), float(lb), rtol=1e-5, atol=1e-5)
+            for a, c in zip(gk, gb):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "splash"])
+def test_attention_on_8_devices_equals_1(impl):
+    """On a mesh with data, fsdp and tensor axes (batch and heads split), the attention and its gradients equal the
+    single-device numbers."""
+    b, t, n, k, h = 4, 128, 4, 2, 16
+    q, kk, v, w = _qkv(13, b, t, t, n, k, h)
+    pos, seg = _packed_spans(b, t, 5)
+    sp = Spans(*map(jnp.asarray, (pos, seg, pos, seg)))
+    real = jnp.asarray(seg != 0)[:, :, None, None]
+    f = lambda q, k, v: (attend(q, k, v, sp, 0.25, window=24, causal=True, implementation=impl) * w * real).sum()
+    ref = jax.jit(jax.value_and_grad(f, (0, 1, 2)))(q, kk, v)
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    put = lambda x, names: jax.device_put(x, jax.NamedSharding(mesh, jax.P(*names)))
+    with jax.set_mesh(mesh):
+        args = (put(q, (("data", "fsdp"), None, "tensor", None)), put(kk, (("data", "fsdp"), "tensor", None, None)),
+                put(v, (("data", "fsdp"), "tensor", None, None)))
+        got = jax.jit(jax.value_and_grad(f, (0, 1, 2)))(*args)
+    for a, c in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=2e-5)
+
+
+def test_decoder_on_8_devices_equals_1():
+    """The whole decoder (blockwise attention inside) on a data x fsdp x tensor mesh: same loss and gradients."""
+    cfg = FAMILIES["gemma3"]
+    tokens = _tokens(95, (4, 40))
+    pos, seg = _packed_spans(4, 40, 6)
+    def loss(m):
+        logp = jax.nn.log_softmax(m(tokens, jnp.asarray(pos), jnp.asarray(seg))[:, :-1])
+        return -(jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0] * (seg[:, 1:] != 0)).mean()
+    ref = nnx.jit(nnx.value_and_grad(loss))(create_model(cfg, seed=1))
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    with jax.set_mesh(mesh):
+        got = nnx.jit(nnx.value_and_grad(loss))(create_model(cfg, seed=1, mesh=mesh))
+    np.testing.assert_allclose(float(got[0]), float(ref[0]), rtol=1e-5)
+    for a, c in zip(jax.tree.leaves(nnx.state(got[1])), jax.tree.leaves(nnx.state(ref[1]))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-5)
+
+
+def _cache_copies_in_decode_loop(cfg) -> int:
+    "Copies of a cache array inside the body of a compiled loop of decode steps."
+    import re
+    gd, st = nnx.split(Decoder(cfg))
+    @jax.jit
+    def decode(st, cache):
+        model = nnx.merge(gd, st)
+        def body(i, c):
+            tok, cache = c
+            pos = jnp.broadcast_to(cache["index"], (4, 1))
+            logits, cache = model(tok, pos, jnp.ones((4, 1), jnp.int32), cache=cache)
+            return jnp.argmax(logits, -1).astype(jnp.int32), cache
+        return jax.lax.fori_loop(0, 3, body, (jnp.ones((4, 1), jnp.int32), cache))
+    cache = init_cache(cfg, 4, 8)
+    hlo = decode.lower(st, cache).compile().as_text()
+    body = re.search(r"while\(.*?body=(%[\w.\-]+)", hlo).group(1)
+    block = hlo.split("\n" + body + " ", 1)[1].split("\n}", 1)[0]
+    shapes = {f"f32[{','.join(map(str, x.shape))}]" for x in cache["k"] + cache["v"]}
+    return sum(" copy(" in line and any(s in line.split("=", 1)[1] for s in shapes) for line in block.splitlines())
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2])
+def test_decode_loop_writes_the_cache_in_place(num_kv_heads):
+    """A loop of decode steps writes every layer's cache in place: no copy of a cache array in the loop body (with
+    one KV head the plain read-after-write path copied each array twice a step on XLA:CPU; see `attend_step`)."""
+    cfg = get_model_config("tiny", num_layers=2, d_model=64, num_heads=2, num_kv_heads=num_kv_heads, head_dim=16,
+                           mlp_dim=128, vocab_size=97)
+    assert _cache_copies_in_decode_loop(cfg) == 0

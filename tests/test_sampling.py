@@ -257,3 +257,71 @@ def test_shared_prompt_logps_under_a_mesh(model, axes):
             got, plain = np.asarray(f(state, b, g)), np.asarray(f(state, b, 1))
         np.testing.assert_allclose(got, plain, atol=1e-5)
         np.testing.assert_allclose(got, r.per_token_logps, atol=1e-4)
+
+
+# ---- chunked log-probs and entropy; the draw distribution at scale
+
+from maxpost.sampling import chunked_logps, draw_categorical, scaled_entropy
+
+
+@pytest.mark.parametrize("tie,cases", [(True, [(1, 12), (3, 12)]), (False, [(3, 12)])])
+def test_chunked_completion_logps_equal_logits_path(tie, cases):
+    """completion_logps by chunks (default on) == from the whole logits: log-probs, entropy and the gradients of a
+    weighted sum of both w.r.t. every parameter, fp32, tied and untied heads, plain and shared-prompt (G = 3) batches,
+    chunks that do not divide the completion (7 tokens of 6 rows, 2 positions a chunk: 4 chunks, the last ragged)."""
+    m = create_model(get_model_config("tiny", num_layers=2, d_model=32, head_dim=16, mlp_dim=64, tie_embeddings=tie), seed=4)
+    r = generate(m, PROMPTS[:2], max_prompt_length=16, max_completion_length=7, num_generations=3, temperature=0.9, seed=5)
+    rng = np.random.default_rng(0)
+    wl, we = (jnp.asarray(rng.normal(size=r.completion_ids.shape), jnp.float32) for _ in range(2))
+    args = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, 0.9)
+    def run(g, chunk):
+        f = lambda m: completion_logps(m, *args, g, chunk_size=chunk, with_entropy=True)
+        out = nnx.jit(f)(m)
+        def weighted(m):
+            lp, ent = f(m)
+            return (lp * wl + ent * we).sum()
+        grads = nnx.jit(nnx.grad(weighted))(m)
+        return out, jax.tree.leaves(nnx.state(grads))
+    (ref, ref_g) = run(1, None)
+    np.testing.assert_allclose(np.asarray(ref[0]), r.per_token_logps, atol=1e-4)
+    for g, chunk in cases:
+        (lp, ent), grads = run(g, chunk)
+        np.testing.assert_allclose(np.asarray(lp), np.asarray(ref[0]), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(ent), np.asarray(ref[1]), atol=1e-5)
+        for a, b in zip(grads, ref_g):                     # sums over 42 tokens of O(1) terms: 1e-5 relative too
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_entropy_matches_numpy(model):
+    "The entropy completion_logps returns is -sum p log p of softmax(logits / T) from per-row full forwards (NumPy)."
+    r = generate(model, PROMPTS, max_prompt_length=32, max_completion_length=5, temperature=0.7, seed=6)
+    _, ent = completion_logps(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, 0.7,
+                              with_entropy=True)
+    lp = log_softmax(teacher_forced_logits(model, r) / 0.7)
+    ref = np.where(r.completion_mask > 0, -(np.exp(lp) * lp).sum(-1), 0.0)
+    np.testing.assert_allclose(np.asarray(ent), ref, atol=1e-4)
+
+
+def test_chunked_logps_temperature_zero_counts_as_one():
+    h = jax.random.normal(jax.random.key(0), (2, 3, 4)); w = jax.random.normal(jax.random.key(1), (9, 4))
+    tok = jnp.array([[1, 2, 3], [4, 5, 6]])
+    np.testing.assert_allclose(np.asarray(chunked_logps(h, w, tok, 0.0, chunk_size=2)),
+                               np.asarray(chunked_logps(h, w, tok, 1.0, chunk_size=2)))
+    np.testing.assert_allclose(np.asarray(scaled_entropy(h @ w.T, 0.0)), np.asarray(scaled_entropy(h @ w.T, 1.0)))
+
+
+def test_draw_categorical_chi_square():
+    """200,000 draws on a vocabulary that is not a multiple of the block width (1,000 = 31 blocks of 32 + 8), removed
+    tokens at block edges and a whole removed block: never a removed token, and a chi-square test of the counts
+    against N p_v (its p-value is uniform when the sampler is right, tiny when not)."""
+    import scipy.stats
+    V, N = 1000, 200_000
+    zv = np.array(jax.random.normal(jax.random.key(7), (V,)), np.float64) * 1.5
+    zv[[0, 31, 32, 63, 999]] = -np.inf; zv[64:96] = -np.inf
+    pv = np.exp(zv - zv.max()); pv /= pv.sum()
+    drawn = np.asarray(jax.jit(draw_categorical)(jax.random.key(0), jnp.tile(jnp.asarray(zv, jnp.float32), (N, 1))))
+    counts = np.bincount(drawn, minlength=V)
+    assert counts[pv == 0].sum() == 0
+    big = N * pv >= 5                        # pool the rare tokens into one bin (chi-square needs >= 5 expected)
+    obs = np.append(counts[big], counts[~big].sum()); exp = np.append(N * pv[big], N * pv[~big].sum())
+    assert scipy.stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3

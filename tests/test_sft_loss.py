@@ -160,3 +160,90 @@ def test_jit_matches_eager():
     jitted = jax.jit(lambda lg, bt, n: sft_loss(lg, bt, num_loss_tokens=n, z_loss=1e-3))(logits, batch, 40)
     for k in eager[1]:
         np.testing.assert_allclose(float(jitted[1][k]), float(eager[1][k]), rtol=1e-6)
+
+
+# ---- the chunked loss: never the [B,T,V] logits, the same numbers
+
+from flax import nnx
+from maxpost.model import TunixPolicy, create_model, get_model_config
+from maxpost.sft_loss import LOGITS_CHUNK_SIZE, chunked_sft_loss, model_sft_loss
+
+
+def _sft_batch(rng, B, L, V):
+    b = _batch(rng, B, L, V)
+    b["positions"] = np.zeros_like(b["tokens"])
+    for i in range(B):                        # positions restart with each packed segment
+        for s in np.unique(b["segment_ids"][i]):
+            idx = np.nonzero(b["segment_ids"][i] == s)[0]
+            b["positions"][i, idx] = np.arange(len(idx))
+    return b
+
+
+@pytest.mark.parametrize("tie,chunk_size,z,n", [(True, 9, 0.0, None), (False, 9, 1e-2, 37), (True, 4096, 1e-2, None)])
+def test_model_sft_loss_chunked_equals_logits_path(tie, chunk_size, z, n):
+    """A Decoder's chunked loss equals sft_loss on its full logits: loss, metrics and every parameter's gradient, fp32,
+    for tied and untied heads, a packed batch, z-loss and a global count; 9 tokens a chunk = 2 positions of 4 rows,
+    13 positions (ragged); 4096: one chunk."""
+    model = create_model(get_model_config("tiny", num_layers=1, d_model=32, head_dim=16, mlp_dim=64, vocab_size=61,
+                                          tie_embeddings=tie), seed=3)
+    batch = _sft_batch(np.random.default_rng(6), 4, 14, 61)
+    def run(chunk):
+        f = lambda m: model_sft_loss(m, batch, num_loss_tokens=n, z_loss=z, chunk_size=chunk)
+        return nnx.jit(lambda m: nnx.value_and_grad(f, has_aux=True)(m))(model)
+    ((lc, mc), gc), ((lr, mr), gr) = run(chunk_size), run(None)
+    np.testing.assert_allclose(float(lc), float(lr), rtol=1e-6, atol=1e-6)
+    for k in mr:
+        np.testing.assert_allclose(float(mc[k]), float(mr[k]), rtol=1e-5, atol=1e-6)
+    for a, r in zip(jax.tree.leaves(nnx.state(gc)), jax.tree.leaves(nnx.state(gr))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), atol=1e-5)
+    ref, correct, count = _naive(model(jnp.asarray(batch["tokens"]), jnp.asarray(batch["positions"]),
+                                       jnp.asarray(batch["segment_ids"])), batch, n, z)
+    np.testing.assert_allclose(float(lc), ref, rtol=1e-5)
+    assert float(mc["num_correct"]) == correct and float(mc["num_loss_tokens"]) == count
+
+
+def test_chunked_sft_loss_gradient_matches_analytic():
+    "d loss / d h = sum_v dz_v W_v with dz = w (p (1 + 2 zc lse) - onehot) / N: the closed form, in NumPy float64."
+    rng = np.random.default_rng(7)
+    batch = _batch(rng, 3, 10, 17)
+    h = rng.normal(size=(3, 10, 6)).astype(np.float32); W = rng.normal(size=(17, 6)).astype(np.float32)
+    zc = 1e-2
+    gh, gw = jax.grad(lambda h, w: chunked_sft_loss(h, w, batch, z_loss=zc, chunk_size=6)[0], (0, 1))(h, W)
+    z = np.einsum("btd,vd->btv", h[:, :-1].astype(np.float64), W.astype(np.float64))
+    lse = np.log(np.exp(z).sum(-1))
+    p = np.exp(z - lse[..., None])
+    wts = np.asarray(target_weights(batch), np.float64)
+    dz = wts[..., None] * (p * (1 + 2 * zc * lse[..., None]) - np.eye(17)[batch["tokens"][:, 1:]]) / wts.sum()
+    np.testing.assert_allclose(np.asarray(gh)[:, :-1], np.einsum("btv,vd->btd", dz, W), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(gh)[:, -1], 0.0)
+    np.testing.assert_allclose(np.asarray(gw), np.einsum("btv,btd->vd", dz, h[:, :-1]), atol=1e-6)
+
+
+def test_model_sft_loss_on_a_wrapped_policy_uses_the_logits():
+    "A policy that is not a Decoder (TunixPolicy) has no hidden-state path: model_sft_loss scores its logits."
+    class Bigram(nnx.Module):          # a Tunix-style model: (tokens, positions, cache, mask) -> (logits, cache)
+        def __init__(self): self.w = nnx.Param(jax.random.normal(jax.random.key(0), (23, 23)))
+        def __call__(self, tokens, positions, cache, mask): return self.w[...][tokens], cache
+    policy = TunixPolicy(Bigram())
+    batch = _sft_batch(np.random.default_rng(8), 2, 9, 23)
+    loss, m = model_sft_loss(policy, batch)
+    np.testing.assert_allclose(float(loss), _naive(np.asarray(policy.model.w[...])[batch["tokens"]], batch)[0], rtol=1e-5)
+
+
+def test_chunked_sft_loss_on_8_devices_equals_1():
+    "Rows sharded over a data x fsdp x tensor mesh (vocabulary split over `tensor`): the same loss and gradients."
+    from maxpost.sharding import make_mesh
+    cfg = get_model_config("tiny", num_layers=1, d_model=32, head_dim=16, mlp_dim=64, vocab_size=64, tie_embeddings=False)
+    batch = _sft_batch(np.random.default_rng(9), 8, 12, 64)
+    f = lambda m: nnx.value_and_grad(lambda m: model_sft_loss(m, batch, z_loss=1e-3, chunk_size=16)[0])(m)
+    ref = nnx.jit(f)(create_model(cfg, seed=2))
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    with jax.set_mesh(mesh):
+        got = nnx.jit(f)(create_model(cfg, seed=2, mesh=mesh))
+    np.testing.assert_allclose(float(got[0]), float(ref[0]), rtol=1e-6)
+    for a, r in zip(jax.tree.leaves(nnx.state(got[1])), jax.tree.leaves(nnx.state(ref[1]))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), atol=1e-6)
+
+
+def test_default_chunk_size_is_on():
+    assert LOGITS_CHUNK_SIZE > 0

@@ -1,0 +1,90 @@
+"""Compile-only memory: XLA's analysis of the SFT loss + gradient and of the RL log-probs' gradient, lowered from
+shapes (nothing is allocated).
+
+`sft_grad_temp_bytes` and `rl_logps_grad_temp_bytes` are the measurements (bench/memory.py can import them); the
+tests assert how the temporaries grow with the sequence and the vocabulary, and that the remat policies keep what
+they promise, so a regression fails CI.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from maxpost.model import Decoder, get_model_config, REMAT_POLICIES
+from maxpost.sampling import completion_logps
+from maxpost.sft_loss import LOGITS_CHUNK_SIZE, model_sft_loss
+
+
+def sft_grad_temp_bytes(cfg, batch: int, seq: int, *, chunk_size: int | None = LOGITS_CHUNK_SIZE) -> int:
+    """Temporary bytes of the compiled SFT loss + gradient (w.r.t. the parameters) of a `cfg` decoder on a packed
+    [batch, seq] batch: `compiled.memory_analysis().temp_size_in_bytes`, lowered from `jax.ShapeDtypeStruct`s."""
+    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    def loss(params, rest, b):
+        return model_sft_loss(nnx.merge(graphdef, params, rest), b, chunk_size=chunk_size)[0]
+    ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    b = dict(tokens=ids, positions=ids, segment_ids=ids, loss_mask=ids)
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(params, rest, b).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def rl_logps_grad_temp_bytes(cfg, rows: int, prompt: int, completion: int, num_generations: int = 1, *,
+                             chunk_size: int | None = LOGITS_CHUNK_SIZE) -> int:
+    """Temporary bytes of the compiled gradient of a weighted sum of `completion_logps` (what the RL update
+    differentiates) for `rows` rows of `prompt` + `completion` tokens, G = `num_generations` rows per prompt."""
+    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    def loss(params, rest, b):
+        lp = completion_logps(nnx.merge(graphdef, params, rest), b["prompt_ids"], b["prompt_mask"], b["completion_ids"],
+                              b["completion_mask"], 1.0, num_generations, chunk_size=chunk_size)
+        return (lp * b["advantages"]).sum()
+    ids = lambda t: jax.ShapeDtypeStruct((rows, t), jnp.int32)
+    b = dict(prompt_ids=ids(prompt), prompt_mask=ids(prompt), completion_ids=ids(completion),
+             completion_mask=ids(completion), advantages=jax.ShapeDtypeStruct((rows, completion), jnp.float32))
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(params, rest, b).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+SMALL = dict(vocab_size=8192, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, mlp_dim=384)
+
+
+@pytest.fixture(scope="module")
+def small():
+    return get_model_config("tiny", **SMALL)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_doubling_the_sequence_at_most_doubles_the_temporaries(small, remat):
+    """Attention keeps O(T) for the backward and never builds a [B,T,S] mask; the loss never builds [B,T,V]: so twice
+    the tokens take at most twice the temporaries (+10 %), 1024 -> 2048 (the growth of the whole step; before the
+    blockwise attention and the chunked loss it was 2.64x without remat, 2.24x with)."""
+    cfg = dataclasses.replace(small, remat=remat)
+    temps = {t: sft_grad_temp_bytes(cfg, 1, t) for t in (1024, 2048)}
+    assert temps[2048] <= 2.2 * temps[1024], (remat, temps)
+
+
+def test_vocabulary_adds_its_gradient_and_one_chunk(small):
+    """Vocabulary 8k -> 131k adds at most the head's own gradient (float32) and one chunk: that chunk's float32 logits
+    and their gradient. The [B,T,V] logits are never built (remat full, T = 2048 = two chunks of 1024 tokens)."""
+    cfg = dataclasses.replace(small, remat="full")
+    small_v, big_v = 8192, 131_072
+    temps = {v: sft_grad_temp_bytes(dataclasses.replace(cfg, vocab_size=v), 1, 2 * LOGITS_CHUNK_SIZE)
+             for v in (small_v, big_v)}
+    grad_bytes = (big_v - small_v) * cfg.d_model * 4
+    chunk_bytes = 2 * LOGITS_CHUNK_SIZE * (big_v - small_v) * 4          # logits and their gradient, one chunk
+    assert temps[big_v] - temps[small_v] <= 1.1 * (grad_bytes + chunk_bytes), temps
+
+
+def test_remat_policies_in_order_of_memory(small):
+    """REMAT_POLICIES is ordered by memory: each keeps less than the one before it (T = 1024, 4 layers, a small
+    vocabulary so that the layers' activations dominate)."""
+    cfg = dataclasses.replace(small, num_layers=4, vocab_size=512)
+    temps = [sft_grad_temp_bytes(dataclasses.replace(cfg, remat=r), 1, 1024) for r in REMAT_POLICIES]
+    assert temps[1] < 0.9 * temps[0] and temps[2] < 0.8 * temps[1], dict(zip(REMAT_POLICIES, temps))
+
+
+def test_rl_logps_doubling_the_completion_at_most_doubles_the_temporaries(small):
+    """The RL log-prob pass through the shared-prompt path (each prompt once into a KV cache, G = 4 completions
+    against it: the cached attention and the chunked log-probs) grows linearly too: completion 512 -> 1024."""
+    temps = {t: rl_logps_grad_temp_bytes(small, 4, 128, t, 4) for t in (512, 1024)}
+    assert temps[1024] <= 2.2 * temps[512], temps
