@@ -35,7 +35,7 @@ class RunConfig:
     tokenizer_path: str = ""  # "" = the tokenizer saved with the checkpoint
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
-    attention: str = "auto"  # the attention implementation (see 02_model); auto = chosen by platform
+    attention: str = "auto"  # auto (cudnn on GPU, splash on TPU, else blockwise) | blockwise | cudnn | splash
     # parallelism: mesh axis sizes, -1 = all remaining devices
     data_parallelism: int = 1
     fsdp_parallelism: int = -1
@@ -83,7 +83,7 @@ class TrainConfig(RunConfig):
     adam_b2: float = 0.999
     max_grad_norm: float = 1.0
     # memory
-    remat_policy: str = "none"  # recompute activations in the backward (see 02_model)
+    remat_policy: str = "auto"  # auto (the cheapest that fits) | none | minimal | full: recomputed in the backward
     logits_chunk_size: int = 1024  # tokens per chunk of the output layer + loss; 0 = whole [B,T,V] logits
     check_memory: bool = True  # compile the step first and stop if it cannot fit the device
     # bookkeeping
@@ -142,7 +142,7 @@ DTYPES = ("float32", "bfloat16")
 
 CHOICES = {   # key -> the tuple of valid words, or "module:NAME" of the code that owns the list
     "dtype": DTYPES, "param_dtype": DTYPES,
-    "remat_policy": ("none", "full"), "attention": ("auto", "xla"),  # MERGE-TODO: maxpost.model owners
+    "remat_policy": "maxpost.train:REMAT_CHOICES", "attention": "maxpost.model:ATTENTION_IMPLEMENTATIONS",
     "lr_schedule": "maxpost.train:LR_SCHEDULES",
     "data_format": "maxpost.data:DATA_FORMATS", "train_on": "maxpost.data:TRAIN_ON",
     "loss_algo": "maxpost.policy_loss:LOSS_ALGOS", "kl_estimator": "maxpost.policy_loss:KL_ESTIMATORS",

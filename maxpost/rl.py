@@ -16,6 +16,7 @@ from .advantages import group_advantages
 from .policy_loss import policy_loss
 from .rewards import as_reward_specs, compute_rewards, correctness_reward, start_reward_workers, close_reward_workers
 from .sampling import Rollout, generate, completion_logps
+from .sft_loss import LOGITS_CHUNK_SIZE
 from .prompts import prompt_token_ids, stop_token_ids
 from .evaluate import load_examples, load_eval_examples, evaluate, eval_options
 from .train import Trainer, all_finite, check_held_out, run_command, print_summary
@@ -138,12 +139,13 @@ def merge_groups(x: jax.Array, num_generations: int) -> jax.Array:
     return x.reshape(parts * rows, *x.shape[3:])
 
 # %% ../nbs/15_rl.ipynb
-def make_logps_fn(graphdef, temperature: float, num_generations: int = 1, parts: int = 1):
+def make_logps_fn(graphdef, temperature: float, num_generations: int = 1, parts: int = 1,
+                  chunk_size: int | None = LOGITS_CHUNK_SIZE):
     "Jitted teacher-forced log-probs `(params, rest, batch) -> [B,T]` of the batch's completions, `parts` micro-batches of whole groups at a time."
     def logps(params, rest, b):
         model = nnx.merge(graphdef, params, rest)
         one = lambda m: completion_logps(model, m["prompt_ids"], m["prompt_mask"], m["completion_ids"],
-                                         m["completion_mask"], temperature, num_generations)
+                                         m["completion_mask"], temperature, num_generations, chunk_size=chunk_size)
         keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
         return merge_groups(jax.lax.map(one, split_groups({k: b[k] for k in keys}, parts, num_generations)), num_generations)
     return jax.jit(logps)
@@ -151,13 +153,17 @@ def make_logps_fn(graphdef, temperature: float, num_generations: int = 1, parts:
 # %% ../nbs/15_rl.ipynb
 _COMBINE = {"ratio/min": jnp.min, "ratio/max": jnp.max}   # every other metric is already divided by the mini-batch's counts
 
-def make_rl_step(graphdef, tx, loss_kwargs: dict, temperature: float, num_generations: int = 1, accum: int = 1):
+def make_rl_step(graphdef, tx, loss_kwargs: dict, temperature: float, num_generations: int = 1, accum: int = 1,
+                 chunk_size: int | None = LOGITS_CHUNK_SIZE):
     "Jitted `step(params, rest, opt_state, batch) -> (params, opt_state, metrics)` on `policy_loss`, summing `accum` micro-batches of whole groups."
     def loss_fn(params, rest, m, counts):
-        logps = completion_logps(nnx.merge(graphdef, params, rest), m["prompt_ids"], m["prompt_mask"],
-                                 m["completion_ids"], m["completion_mask"], temperature, num_generations)
-        return policy_loss(logps, m.get("old_per_token_logps"), m.get("ref_per_token_logps"), m["advantages"],
-                           m["completion_mask"], **loss_kwargs, **counts)
+        logps, entropy = completion_logps(nnx.merge(graphdef, params, rest), m["prompt_ids"], m["prompt_mask"],
+                                          m["completion_ids"], m["completion_mask"], temperature, num_generations,
+                                          chunk_size=chunk_size, with_entropy=True)
+        loss, metrics = policy_loss(logps, m.get("old_per_token_logps"), m.get("ref_per_token_logps"), m["advantages"],
+                                    m["completion_mask"], **loss_kwargs, **counts)
+        ent = jax.lax.stop_gradient(jnp.where(m["completion_mask"] > 0, entropy, 0.0).sum() / jnp.maximum(counts["num_tokens"], 1))
+        return loss, {**metrics, "entropy": ent}
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def step(params, rest, opt_state, b):
@@ -191,16 +197,21 @@ class RLTrainer(Trainer):
         correctness = any(s.fn is correctness_reward for s in self.rewards)
         self.prompts = PromptIterator(load_examples(cfg, cfg.train_split, check_gold=correctness), seed=cfg.seed)
         self.eval_examples = load_eval_examples(cfg)
-        self.logps_fn = self.compiled(make_logps_fn(self.graphdef, cfg.temperature, G, A * (B // self.mini_batch)),
-                                      "the log-prob pass")
-        self.step_fn = self.compiled(make_rl_step(self.graphdef, self.tx, loss_options(cfg), cfg.temperature, G, A),
-                                     "the RL update")
+        self.build_steps()
         self.engine = engine if engine is not None else make_engine(cfg, self.model, self.tokenizer)
         self.sampling = sampling_options(cfg, self.tokenizer)
         self.last_batch, self.last_update_metrics = None, []
 
     @property
     def summary_keys(self): return ("reward", *(f"rewards/{s.name}/mean" for s in self.rewards), "kl")
+
+    def build_steps(self) -> None:
+        cfg, G, A, chunk = self.cfg, self.cfg.num_generations, self.cfg.gradient_accumulation_steps, self.cfg.logits_chunk_size
+        parts = A * (cfg.global_batch_size // self.mini_batch)
+        self.logps_fn = self.compiled(make_logps_fn(self.graphdef, cfg.temperature, G, parts, chunk_size=chunk),
+                                      "the log-prob pass")
+        self.step_fn = self.compiled(make_rl_step(self.graphdef, self.tx, loss_options(cfg), cfg.temperature, G, A,
+                                                  chunk_size=chunk), "the RL update")
 
     def rollout(self) -> dict:
         "Sample this step's prompts and completions, score them, and build the training batch (numpy)."
@@ -230,17 +241,17 @@ class RLTrainer(Trainer):
         cfg, batch, info = self.cfg, dict(ro["batch"]), dict(ro["info"])
         t0, dev = time.perf_counter(), sharding.shard_batch(batch, self.mesh)
         if self.updates_per_step > 1:     # the policy moves before the last update: freeze π_old now
-            batch["old_per_token_logps"] = np.asarray(self.logps_fn(self.params, self.rest, dev))
+            batch["old_per_token_logps"] = np.asarray(self.run_step("logps_fn", self.params, self.rest, dev))
             diff = (batch["old_per_token_logps"] - ro["sampler_logps"]) * batch["completion_mask"]
             info["sampler_logp_diff"] = float(np.abs(diff).max())
         if self.ref_params is not None:
-            batch["ref_per_token_logps"] = np.asarray(self.logps_fn(self.ref_params, self.rest, dev))
+            batch["ref_per_token_logps"] = np.asarray(self.run_step("logps_fn", self.ref_params, self.rest, dev))
         info["timing/logps"], t0, metrics = time.perf_counter() - t0, time.perf_counter(), []
         rng = np.random.default_rng([cfg.seed, self.step])
         for _ in range(cfg.num_iterations):
             for idx in group_mini_batches(rng, cfg.global_batch_size, cfg.num_generations, self.mini_batch):
                 mb = sharding.shard_batch({k: v[idx] for k, v in batch.items()}, self.mesh)
-                self.params, self.opt_state, m = self.step_fn(self.params, self.rest, self.opt_state, mb)
+                self.params, self.opt_state, m = self.run_step("step_fn", self.params, self.rest, self.opt_state, mb)
                 metrics.append(jax.device_get(m))
         info["timing/update"] = time.perf_counter() - t0
         info["timing/weight_sync"] = self.engine.sync_weights(self.model)

@@ -12,7 +12,7 @@ from flax import nnx
 from .config import SFTConfig, ConfigError
 from . import sharding
 from .data import make_sft_iterator, check_examples
-from .sft_loss import sft_loss, target_weights, summarize_metrics
+from .sft_loss import LOGITS_CHUNK_SIZE, model_sft_loss, target_weights, summarize_metrics
 from .train import (Trainer, embedded_split, eval_source, check_held_out, run_command,
                            print_summary, all_finite, flops_per_token)
 
@@ -25,13 +25,12 @@ def split_micro_batches(batch: dict, accum: int) -> dict:
     "[B, L] leaves -> [accum, B // accum, L]; micro-batch j holds rows j, j + accum, j + 2 accum, ..."
     return jax.tree.map(lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1), batch)
 
-def make_sft_step(graphdef, tx: optax.GradientTransformation, *, accum: int = 1, z_loss: float = 0.0):
+def make_sft_step(graphdef, tx: optax.GradientTransformation, *, accum: int = 1, z_loss: float = 0.0,
+                  chunk_size: int | None = LOGITS_CHUNK_SIZE):
     "A jitted `step(params, rest, opt_state, batch) -> (params, opt_state, metrics)`; params and opt_state are donated."
-    def loss_fn(params, rest, micro, num_loss_tokens):
-        model = nnx.merge(graphdef, params, rest)
-        L = micro["tokens"].shape[1]       # the last position predicts nothing: no logits for it
-        logits = model(micro["tokens"], micro["positions"], micro["segment_ids"], logits_range=(0, L - 1))
-        return sft_loss(logits, micro, num_loss_tokens=num_loss_tokens, z_loss=z_loss)
+    def loss_fn(params, rest, micro, num_loss_tokens):   # the output layer and the loss `chunk_size` tokens at a time
+        return model_sft_loss(nnx.merge(graphdef, params, rest), micro, num_loss_tokens=num_loss_tokens, z_loss=z_loss,
+                              chunk_size=chunk_size)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -51,12 +50,10 @@ def make_sft_step(graphdef, tx: optax.GradientTransformation, *, accum: int = 1,
     return jax.jit(step, donate_argnums=(0, 2))
 
 # %% ../nbs/09_sft.ipynb
-def make_eval_step(graphdef):
+def make_eval_step(graphdef, *, chunk_size: int | None = LOGITS_CHUNK_SIZE):
     "A jitted `eval_step(params, rest, batch) -> summed loss metrics`."
     def eval_step(params, rest, batch):
-        logits = nnx.merge(graphdef, params, rest)(batch["tokens"], batch["positions"], batch["segment_ids"],
-                                                   logits_range=(0, batch["tokens"].shape[1] - 1))
-        return sft_loss(logits, batch)[1]
+        return model_sft_loss(nnx.merge(graphdef, params, rest), batch, chunk_size=chunk_size)[1]
     return jax.jit(eval_step)
 
 # %% ../nbs/09_sft.ipynb
@@ -110,15 +107,19 @@ class SFTTrainer(Trainer):
             line = check_examples(it.examples, max_target_length=cfg.max_target_length,
                                   max_dropped_share=cfg.max_dropped_share, what=what)
             if progress and jax.process_index() == 0: print(line, file=sys.stderr)
-        self.step_fn = self.compiled(make_sft_step(self.graphdef, self.tx, accum=cfg.gradient_accumulation_steps,
-                                                   z_loss=cfg.z_loss), "the SFT step")
-        self.eval_fn = make_eval_step(self.graphdef)
+        self.build_steps()
         self.flops_per_token = flops_per_token(self.model_cfg, cfg.max_target_length)
+
+    def build_steps(self) -> None:
+        cfg = self.cfg
+        self.step_fn = self.compiled(make_sft_step(self.graphdef, self.tx, accum=cfg.gradient_accumulation_steps,
+                                                   z_loss=cfg.z_loss, chunk_size=cfg.logits_chunk_size), "the SFT step")
+        self.eval_fn = make_eval_step(self.graphdef, chunk_size=cfg.logits_chunk_size)
 
     def train_step(self) -> dict:
         batch = next(self.train_it)
-        self.params, self.opt_state, m = self.step_fn(self.params, self.rest, self.opt_state,
-                                                      sharding.shard_batch(batch, self.mesh))
+        self.params, self.opt_state, m = self.run_step("step_fn", self.params, self.rest, self.opt_state,
+                                                       sharding.shard_batch(batch, self.mesh))
         return {**m, "num_tokens": int((batch["segment_ids"] != 0).sum()) * jax.process_count()}
 
     def evaluate(self) -> dict:

@@ -17,13 +17,14 @@ from . import sharding, tasks, model as mm
 from .checkpoint import checkpoint_manager, save_state, restore_state
 
 # %% auto 0
-__all__ = ['LR_SCHEDULES', 'RESUMABLE_KEYS', 'PEAK_BF16_FLOPS', 'make_run_mesh', 'model_options', 'model_config_for', 'is_hf_dir',
-           'find_run_checkpoint', 'read_model_config', 'load_policy', 'embedded_task_dir', 'embedded_split',
-           'eval_source', 'check_held_out', 'tokenizer_dir', 'check_vocab', 'Setup', 'setup_run', 'make_schedule',
-           'make_optimizer', 'on_mesh', 'init_opt_state', 'all_finite', 'check_finite', 'RunLocked', 'RunLock',
-           'config_changes', 'effective_config', 'check_resume', 'precheck_run_dir', 'RunCheckpoints', 'StopSignal',
-           'RunStopped', 'read_metrics', 'MetricsLogger', 'flops_per_token', 'device_peak_flops', 'StepCompiler',
-           'memory_needed', 'device_memory', 'check_memory', 'Trainer', 'split_base', 'run_command', 'print_summary']
+__all__ = ['LR_SCHEDULES', 'RESUMABLE_KEYS', 'PEAK_BF16_FLOPS', 'REMAT_CHOICES', 'make_run_mesh', 'model_options',
+           'set_model_options', 'model_config_for', 'is_hf_dir', 'find_run_checkpoint', 'read_model_config',
+           'load_policy', 'embedded_task_dir', 'embedded_split', 'eval_source', 'check_held_out', 'tokenizer_dir',
+           'check_vocab', 'Setup', 'setup_run', 'make_schedule', 'make_optimizer', 'on_mesh', 'init_opt_state',
+           'all_finite', 'check_finite', 'RunLocked', 'RunLock', 'config_changes', 'effective_config', 'check_resume',
+           'precheck_run_dir', 'RunCheckpoints', 'StopSignal', 'RunStopped', 'read_metrics', 'MetricsLogger',
+           'flops_per_token', 'device_peak_flops', 'StepCompiler', 'memory_needed', 'device_memory', 'MemoryShortfall',
+           'check_memory', 'Trainer', 'split_base', 'run_command', 'print_summary']
 
 # %% ../nbs/08_train.ipynb
 def make_run_mesh(cfg: RunConfig) -> jax.sharding.Mesh:
@@ -36,8 +37,18 @@ def make_run_mesh(cfg: RunConfig) -> jax.sharding.Mesh:
 
 # %% ../nbs/08_train.ipynb
 def model_options(cfg: RunConfig) -> dict:
-    "The `ModelConfig` fields a run sets whatever the weights: dtypes and remat."
-    return dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, remat=getattr(cfg, "remat_policy", "none"))
+    "The `ModelConfig` fields a run sets whatever the weights: dtypes, attention and remat (`auto` starts at `none`)."
+    remat = getattr(cfg, "remat_policy", "none")
+    return dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, attention=cfg.attention,
+                remat="none" if remat == "auto" else remat)
+
+# %% ../nbs/08_train.ipynb
+def set_model_options(model: nnx.Module, **options) -> nnx.Module:
+    "Replace `ModelConfig` fields (`attention`, `remat`, ...) in every module of `model` that holds the config (in place)."
+    for _, node in nnx.iter_graph(model):
+        if isinstance(getattr(node, "cfg", None), mm.ModelConfig):
+            node.cfg = dataclasses.replace(node.cfg, **options)
+    return model
 
 # %% ../nbs/08_train.ipynb
 def model_config_for(cfg: RunConfig) -> mm.ModelConfig:
@@ -77,15 +88,17 @@ def load_policy(cfg: RunConfig, mesh) -> nnx.Module:
     if not Path(path).exists():
         raise ConfigError(f"load_parameters_path={path!r} does not exist; give {describe_checkpoint_kinds()}")
     if is_maxtext_checkpoint(path):   # weights only: the architecture comes from model_name + model_overrides
-        try: return load_maxtext(path, cfg.model_name, overrides=cfg.model_overrides, mesh=mesh,
-                                 dtype=jnp.dtype(cfg.param_dtype), compute_dtype=cfg.dtype, remat=opts["remat"])
+        try: model = load_maxtext(path, cfg.model_name, overrides=cfg.model_overrides, mesh=mesh,
+                                  dtype=jnp.dtype(cfg.param_dtype), compute_dtype=cfg.dtype, remat=opts["remat"])
         except ValueError as e: raise ConfigError(f"load_parameters_path={path!r}: {e}") from None
+        return set_model_options(model, attention=opts["attention"])
     if cfg.model_overrides:
         raise ConfigError(f"model_overrides={cfg.model_overrides} with load_parameters_path={path!r}: the checkpoint "
                           "describes its own architecture; drop model_overrides")
     if is_hf_dir(path):
         from maxpost.checkpoint import load_hf
-        return load_hf(path, dtype=jnp.dtype(cfg.param_dtype), mesh=mesh, remat=opts["remat"], compute_dtype=cfg.dtype)
+        model = load_hf(path, dtype=jnp.dtype(cfg.param_dtype), mesh=mesh, remat=opts["remat"], compute_dtype=cfg.dtype)
+        return set_model_options(model, attention=opts["attention"])
     try: run, step = find_run_checkpoint(path)
     except FileNotFoundError:
         raise ConfigError(f"load_parameters_path={path!r} is no checkpoint maxpost reads; give "
@@ -467,16 +480,22 @@ def device_memory() -> tuple[int, str]:
 # %% ../nbs/08_train.ipynb
 def _gib(n: float) -> str: return f"{n / 2**30:.2f} GiB"
 
+class MemoryShortfall(ConfigError):
+    "A compiled step needs more memory than the device has; the message says how much and what would make it fit."
+
 def check_memory(label: str, compiled, knobs: str) -> str:
-    "A line on what `compiled` needs per device next to what the device has; `ConfigError` naming the shortfall and `knobs` when it cannot fit."
+    "A line on what `compiled` needs per device next to what the device has; `MemoryShortfall` naming the shortfall and `knobs` when it cannot fit."
     limit, what = device_memory()
     need = memory_needed(compiled)
     line = (f"{label} needs {_gib(need['peak'])} per device (arguments {_gib(need['arguments'])}, temporaries "
             f"{_gib(need['temporaries'])}) of {_gib(limit)} ({what})")
     if need["peak"] > limit:
-        raise ConfigError(f"{line}: short by {_gib(need['peak'] - limit)}. To fit: {knobs}; or set check_memory=false "
-                          "to try anyway")
+        raise MemoryShortfall(f"{line}: short by {_gib(need['peak'] - limit)}. To fit: {knobs}; or set "
+                              "check_memory=false to try anyway")
     return line
+
+# %% ../nbs/08_train.ipynb
+REMAT_CHOICES = ("auto", *mm.REMAT_POLICIES)   # what a config may say (chapter 02_model orders the policies by memory)
 
 # %% ../nbs/08_train.ipynb
 class Trainer:
@@ -506,6 +525,8 @@ class Trainer:
     memory_knobs = ("remat_policy=full, a larger gradient_accumulation_steps, a smaller logits_chunk_size, a smaller "
                     "global_batch_size, or more devices (fsdp_parallelism)")
 
+    def build_steps(self) -> None: pass               # (re)build the jitted steps from `self.graphdef`
+
     def compiled(self, jitted, label: str) -> StepCompiler:
         "`jitted` as a `StepCompiler` whose new programs are checked against the device's memory (`check_memory`)."
         def check(program):
@@ -513,6 +534,19 @@ class Trainer:
             line = check_memory(label, program, self.memory_knobs)
             if jax.process_index() == 0 and getattr(self, "progress", True): print(f"memory: {line}", file=sys.stderr)
         return StepCompiler(jitted, on_compile=check)
+
+    def run_step(self, name: str, *args):
+        "Call the step `self.<name>`; with `remat_policy=auto`, move to the next remat policy while it cannot fit."
+        while True:
+            try: return getattr(self, name)(*args)
+            except MemoryShortfall as e:
+                policies, now = mm.REMAT_POLICIES, self.model_cfg.remat
+                if self.cfg.remat_policy != "auto" or now == policies[-1]: raise
+                nxt = policies[policies.index(now) + 1]
+                if jax.process_index() == 0: print(f"memory: remat {now!r} does not fit ({e}); trying {nxt!r}", file=sys.stderr)
+                model = set_model_options(nnx.merge(self.graphdef, self.params, self.rest), remat=nxt)
+                self.graphdef, self.model_cfg = nnx.graphdef(model), model.cfg
+                self.build_steps()
 
     def fit(self, *, progress: bool = True) -> dict:
         "Run (or resume) `cfg.steps` steps; returns the last logged metrics and the final evaluation."
