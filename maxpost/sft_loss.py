@@ -54,9 +54,9 @@ def sft_loss(logits_btv: jax.Array, batch: dict, *, num_loss_tokens=None, z_loss
 
 # %% ../nbs/07_sft_loss.ipynb
 def summarize_metrics(metrics: dict) -> dict:
-    "Turn summed `sft_loss` metrics (over micro-batches and devices) into mean NLL, accuracy and token count."
+    "Turn summed `sft_loss` metrics (over micro-batches and devices) into mean NLL, token accuracy (TRL's `mean_token_accuracy`) and token count."
     n = jnp.maximum(metrics["num_loss_tokens"], 1.0)
-    return {"loss": metrics["loss"], "nll": metrics["nll_sum"] / n, "accuracy": metrics["num_correct"] / n,
+    return {"loss": metrics["loss"], "nll": metrics["nll_sum"] / n, "mean_token_accuracy": metrics["num_correct"] / n,
             "num_loss_tokens": metrics["num_loss_tokens"]}
 
 # %% ../nbs/07_sft_loss.ipynb

@@ -140,7 +140,8 @@ def test_bad_column_is_a_clear_error(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"instruction": "hi", "output": "yo"}) for _ in range(4)))
     cfg = load_config("sft", [f"base_output_directory={tmp_path}", "run_name=bad", f"dataset_name={data}",
-                              f"tokenizer_path={prepare_tokenizer(tmp_path)}", "steps=2", *SMALL])
+                              f"tokenizer_path={prepare_tokenizer(tmp_path)}", "steps=2", *SMALL, "train_split=train",
+                              "eval_split=train", "eval_on_train=true"])   # a single file has one split
     with pytest.raises(ValueError) as e: train_sft(cfg, progress=False)
     assert "instruction" in str(e.value) and "output" in str(e.value)
 

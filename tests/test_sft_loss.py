@@ -67,7 +67,7 @@ def test_sft_loss_matches_naive(seed, z_loss):
     np.testing.assert_allclose(float(loss), ref, rtol=1e-5, atol=1e-6)
     assert float(m["num_loss_tokens"]) == n and float(m["num_correct"]) == correct
     s = summarize_metrics(m)
-    np.testing.assert_allclose(float(s["accuracy"]), correct / max(n, 1), rtol=1e-6)
+    np.testing.assert_allclose(float(s["mean_token_accuracy"]), correct / max(n, 1), rtol=1e-6)
     np.testing.assert_allclose(float(s["nll"]), _naive(logits, batch)[0], rtol=1e-5)
     # given a global count, the loss is the sum divided by it
     lg, _ = sft_loss(jnp.asarray(logits), batch, num_loss_tokens=3 * n + 1, z_loss=z_loss)
