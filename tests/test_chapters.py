@@ -49,3 +49,14 @@ def test_front_page_lists_every_chapter():
     front = (NBS / "index.ipynb").read_text()
     missing = [nb.name for nb in CHAPTERS if f"({nb.name})" not in front]
     assert not missing, f"index.ipynb does not link {missing}"
+
+
+BOOK = sorted(NBS.glob("*.ipynb")) + sorted((NBS / "runs").glob("*.ipynb")) + sorted((NBS / "tutorials").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("nb", BOOK, ids=[nb.stem for nb in BOOK])
+def test_committed_with_outputs(nb):
+    "A reader on GitHub sees what the book printed: every notebook is committed executed (.ci/execute-notebooks.py)."
+    nbj = json.loads(nb.read_text())
+    assert any(c.get("outputs") for c in nbj["cells"] if c["cell_type"] == "code"), \
+        f"{nb.name} has no outputs: run .ci/execute-notebooks.py {nb.relative_to(NBS.parent)} and commit it"
