@@ -7,3 +7,7 @@ def boom(prompts, completions, **kw):
 
 def length_reward(prompts, completions, **kw):
     return [len(c) / 50 for c in completions]
+
+
+def starts_with_seven(prompts, completions, **kw):
+    return [float(c.strip().startswith("7")) for c in completions]
