@@ -2,9 +2,14 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_flag = "--xla_force_host_platform_device_count=8"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+# The 8 devices are threads of one process. When the 2-core host is overloaded, one of them can reach a collective
+# more than a minute after the others, and XLA's CPU runtime then aborts the process (default: 40 s after the
+# 20 s "may be stuck" warning); the longer limit keeps an overloaded run slow instead of killed.
+_flags = ["--xla_force_host_platform_device_count=8", "--xla_cpu_collective_call_terminate_timeout_seconds=900",
+          "--xla_cpu_collective_call_warn_stuck_timeout_seconds=120"]
+for _flag in _flags:
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Test processes (pytest workers, the CLI and notebook subprocesses they start) compile the same small programs
 # again and again; JAX's persistent compilation cache lets a later process reuse an earlier one's executable.
