@@ -15,7 +15,7 @@ HERE = Path(__file__).resolve().parent.parent
 def run(checkout: Path, cmd: str, out: Path) -> float:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "maxpost.cli" if (checkout / "maxpost" / "cli.py").exists() else "maxpost",
+    subprocess.run([sys.executable, "-m", "maxpost" if (checkout / "maxpost" / "__main__.py").exists() else "maxpost.cli",
                     cmd, f"base_output_directory={out}"], check=True, env=env, cwd=checkout,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.perf_counter() - t0
