@@ -9,6 +9,7 @@ from flax import nnx
 
 from maxpost.config import load_config, run_dir, ConfigError
 from maxpost.checkpoint import load_hf, checkpoint_manager, restore_state
+from maxpost.train import attach_adapters
 from maxpost.lora import add_lora, load_adapter, merge_lora, split_adapters, LORA_TARGETS
 from maxpost.model import get_model_config, create_model
 from maxpost import sharding
@@ -91,6 +92,14 @@ def test_peft_made_adapter_loads_in_maxpost_with_the_same_logits(tmp_path, rslor
     assert np.abs(theirs - before).max() > 1e-3
     with pytest.raises(ValueError, match="lora_target_modules=q_proj,v_proj,o_proj,down_proj"):
         load_adapter(add_lora(load_hf(base), 4, 16, rslora=rslora), tmp_path / "adapter")
+    # the same through a run's keys: load_adapter_path starts the trainer's adapters from it
+    keys = [f"base_output_directory={tmp_path}", "run_name=x", f"load_parameters_path={base}", "lora_rank=4",
+            "lora_alpha=16", f"lora_use_rslora={rslora}", "lora_target_modules=q_proj,v_proj,o_proj,down_proj",
+            f"load_adapter_path={tmp_path / 'adapter'}"]
+    g, ad, rest, _ = attach_adapters(load_config("sft", keys), load_hf(base), None)
+    np.testing.assert_allclose(np.asarray(nnx.merge(g, ad, rest)(jnp.asarray(TOKENS))), theirs, atol=1e-4)
+    with pytest.raises(ConfigError, match="load_adapter_path=.*set lora_rank=4"):
+        attach_adapters(load_config("sft", [*keys, "lora_rank=8"]), load_hf(base), None)
 
 
 @pytest.mark.parametrize("remat", ["none", "minimal"])
@@ -122,8 +131,9 @@ def test_rl_reference_is_the_base_without_a_copy(tmp_path):
     from maxpost.rl import RLTrainer
     from maxpost.sampling import completion_logps
     cfg = load_config("rl", [f"base_output_directory={tmp_path}", "run_name=rl_lora", "model_overrides={num_layers: 1}",
+                             "load_parameters_path=", "mini_batch_size=0",
                              "lora_rank=2", "beta=0.04", "global_batch_size=4", "num_generations=2",
-                             "max_prompt_length=32", "max_completion_length=8", "reward_isolation=thread",
+                             "max_prompt_length=64", "max_completion_length=8", "reward_isolation=thread",
                              "eval_num_prompts=2", "eval_k=0", "steps=1"])
     tr = RLTrainer(cfg)
     adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(tr.params))
@@ -170,9 +180,11 @@ def test_cli_lora_kill_and_resume_is_bit_exact_and_a_changed_base_is_refused(tmp
     for x, y in zip(jax.tree.leaves(got[0]), jax.tree.leaves(got[1])): np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(got[0]))
     # the base the run was trained on changes: resuming it for more steps is refused, naming why
+    from maxpost.sft import train_sft
     _hf_base(base, seed=5)
-    r = subprocess.run(_sft_cmd(tmp_path, "whole", steps + 2, *extra), env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode != 0 and "adapters trained on another base" in r.stderr, r.stderr[-3000:]
+    cfg = load_config("sft", [f"base_output_directory={tmp_path}", "run_name=whole", f"steps={steps + 2}", "lora_rank=4",
+                              *SMALL, *extra])
+    with pytest.raises(ConfigError, match="adapters trained on another base"): train_sft(cfg, progress=False)
 
 
 def test_config_errors_name_the_fix(tmp_path):
