@@ -19,13 +19,13 @@ from .checkpoint import checkpoint_manager, save_state, restore_state
 # %% auto 0
 __all__ = ['LR_SCHEDULES', 'RESUMABLE_KEYS', 'PEAK_BF16_FLOPS', 'REMAT_CHOICES', 'make_run_mesh', 'model_options',
            'set_model_options', 'model_config_for', 'is_hf_dir', 'find_run_checkpoint', 'read_model_config',
-           'load_policy', 'embedded_task_dir', 'embedded_split', 'eval_source', 'check_held_out', 'tokenizer_dir',
-           'check_vocab', 'Setup', 'setup_run', 'make_schedule', 'make_optimizer', 'on_mesh', 'init_opt_state',
-           'all_finite', 'check_finite', 'RunLocked', 'RunLock', 'config_changes', 'effective_config', 'check_resume',
+           'load_policy', 'lora_options', 'attach_adapters', 'check_lora_base', 'lora_run_config', 'load_lora_run',
+           'embedded_task_dir', 'embedded_split', 'eval_source', 'check_held_out', 'tokenizer_dir', 'check_vocab',
+           'Setup', 'setup_run', 'make_schedule', 'make_optimizer', 'on_mesh', 'init_opt_state', 'all_finite',
+           'check_finite', 'RunLocked', 'RunLock', 'config_changes', 'effective_config', 'check_resume',
            'precheck_run_dir', 'RunCheckpoints', 'StopSignal', 'RunStopped', 'read_metrics', 'MetricsLogger',
            'flops_per_token', 'device_peak_flops', 'StepCompiler', 'memory_needed', 'device_memory', 'MemoryShortfall',
-           'check_memory', 'lora_options', 'attach_adapters', 'check_lora_base', 'Trainer', 'split_base', 'run_command',
-           'print_summary']
+           'check_memory', 'Trainer', 'split_base', 'run_command', 'print_summary']
 
 # %% ../nbs/08_train.ipynb
 def make_run_mesh(cfg: RunConfig) -> jax.sharding.Mesh:
@@ -104,9 +104,60 @@ def load_policy(cfg: RunConfig, mesh) -> nnx.Module:
     except FileNotFoundError:
         raise ConfigError(f"load_parameters_path={path!r} is no checkpoint maxpost reads; give "
                           f"{describe_checkpoint_kinds()}") from None
+    if lora_run_config(run) is not None: return load_lora_run(run, step, cfg, mesh)   # adapters + their base
     model = mm.create_model(dataclasses.replace(read_model_config(run), **opts), seed=0, mesh=mesh)
     _restore_params(run, step, model)   # the random weights above are overwritten in their shards
     return model
+
+# %% ../nbs/08_train.ipynb
+def lora_options(cfg: TrainConfig) -> dict | None:
+    "The `lora.add_lora` arguments of `cfg`, or None when `lora_rank=0` (every weight trains)."
+    opts = dict(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_target_modules, rslora=cfg.lora_use_rslora)
+    return opts if cfg.lora_rank > 0 else None
+
+def attach_adapters(cfg: TrainConfig, model: nnx.Module, mesh) -> tuple:
+    "`(graphdef, adapters, base, record)`: `model` with the adapters of `cfg` (from `load_adapter_path` when given) split into the trainable adapters and the frozen base; `record` says where the base came from."
+    from maxpost.lora import add_lora, load_adapter, split_adapters, base_fingerprint
+    add_lora(model, **lora_options(cfg), seed=cfg.seed, mesh=mesh)
+    if cfg.load_adapter_path:
+        try: load_adapter(model, os.path.expanduser(cfg.load_adapter_path))
+        except (ValueError, FileNotFoundError) as e: raise ConfigError(f"load_adapter_path={cfg.load_adapter_path!r}: {e}") from None
+    graphdef, adapters, base = split_adapters(model)
+    record = dict(load_parameters_path=cfg.load_parameters_path, model_name=cfg.model_name,
+                  fingerprint=base_fingerprint(base))
+    return graphdef, adapters, base, record
+
+def check_lora_base(saved: dict | None, current: dict, where) -> None:
+    "Refuse a resume whose frozen base is not the one the checkpoint's adapters were trained on."
+    if saved is None: raise ConfigError(f"the checkpoint under {where} holds no LoRA adapters; start a new run_name")
+    if saved["fingerprint"] != current["fingerprint"]:
+        raise ConfigError(f"the checkpoint under {where} holds adapters trained on another base than "
+                          f"load_parameters_path={current['load_parameters_path'] or current['model_name']!r} holds "
+                          "now (its weights changed since the run started); restore that base, or start a new "
+                          "run_name to train adapters on this one")
+
+# %% ../nbs/08_train.ipynb
+def lora_run_config(run: Path) -> dict | None:
+    "The effective config of the maxpost run `run` when it trained LoRA adapters, else None."
+    run = Path(run)
+    if not (run / "config.yml").exists(): return None
+    c = effective_config(run)
+    return c if c.get("lora_rank", 0) else None
+
+def load_lora_run(run: Path, step: int | None, cfg: RunConfig, mesh) -> nnx.Module:
+    "The merged model of a LoRA run at checkpoint `step` (default: the newest): its base loaded as the run loaded it, in `cfg`'s dtypes, plus its adapters."
+    from maxpost.lora import add_lora, split_adapters, base_fingerprint, merge_lora
+    rc = lora_run_config(run)
+    keys = ("load_parameters_path", "model_name", "model_overrides", "seed")
+    model = load_policy(dataclasses.replace(cfg, **{k: rc[k] for k in keys}), mesh)
+    add_lora(model, rc["lora_rank"], rc["lora_alpha"], rc["lora_target_modules"], rslora=rc["lora_use_rslora"], mesh=mesh)
+    _, adapters, base = split_adapters(model)
+    restored, _, meta = restore_state(checkpoint_manager(Path(run) / "checkpoints"), adapters, step=step)
+    check_lora_base(meta.get("lora_base"), {"load_parameters_path": rc["load_parameters_path"],
+                                            "model_name": rc["model_name"], "fingerprint": base_fingerprint(base)},
+                    Path(run) / "checkpoints")
+    nnx.update(model, restored)
+    return merge_lora(model)
 
 # %% ../nbs/08_train.ipynb
 def embedded_task_dir(cfg: RunConfig) -> Path:
@@ -498,33 +549,6 @@ def check_memory(label: str, compiled, knobs: str) -> str:
 
 # %% ../nbs/08_train.ipynb
 REMAT_CHOICES = ("auto", *mm.REMAT_POLICIES)   # what a config may say (chapter 02_model orders the policies by memory)
-
-# %% ../nbs/08_train.ipynb
-def lora_options(cfg: TrainConfig) -> dict | None:
-    "The `lora.add_lora` arguments of `cfg`, or None when `lora_rank=0` (every weight trains)."
-    opts = dict(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_target_modules, rslora=cfg.lora_use_rslora)
-    return opts if cfg.lora_rank > 0 else None
-
-def attach_adapters(cfg: TrainConfig, model: nnx.Module, mesh) -> tuple:
-    "`(graphdef, adapters, base, record)`: `model` with the adapters of `cfg` (from `load_adapter_path` when given) split into the trainable adapters and the frozen base; `record` says where the base came from."
-    from maxpost.lora import add_lora, load_adapter, split_adapters, base_fingerprint
-    add_lora(model, **lora_options(cfg), seed=cfg.seed, mesh=mesh)
-    if cfg.load_adapter_path:
-        try: load_adapter(model, os.path.expanduser(cfg.load_adapter_path))
-        except (ValueError, FileNotFoundError) as e: raise ConfigError(f"load_adapter_path={cfg.load_adapter_path!r}: {e}") from None
-    graphdef, adapters, base = split_adapters(model)
-    record = dict(load_parameters_path=cfg.load_parameters_path, model_name=cfg.model_name,
-                  fingerprint=base_fingerprint(base))
-    return graphdef, adapters, base, record
-
-def check_lora_base(saved: dict | None, current: dict, where) -> None:
-    "Refuse a resume whose frozen base is not the one the checkpoint's adapters were trained on."
-    if saved is None: raise ConfigError(f"the checkpoint under {where} holds no LoRA adapters; start a new run_name")
-    if saved["fingerprint"] != current["fingerprint"]:
-        raise ConfigError(f"the checkpoint under {where} holds adapters trained on another base than "
-                          f"load_parameters_path={current['load_parameters_path'] or current['model_name']!r} holds "
-                          "now (its weights changed since the run started); restore that base, or start a new "
-                          "run_name to train adapters on this one")
 
 # %% ../nbs/08_train.ipynb
 class Trainer:
