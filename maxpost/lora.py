@@ -17,7 +17,8 @@ from .model import LoRA, Decoder
 # %% auto 0
 __all__ = ['LORA_TARGETS', 'ALL_LINEAR', 'parse_target_modules', 'target_modules_problem', 'lora_scale', 'add_lora',
            'split_adapters', 'adapters_off', 'base_fingerprint', 'merged_weight', 'has_lora', 'merged_state_dict',
-           'save_merged_hf', 'merge_lora', 'adapter_config', 'save_adapter', 'read_adapter_config', 'load_adapter']
+           'save_merged_hf', 'merge_lora', 'adapter_config', 'save_adapter', 'read_adapter_config', 'load_adapter',
+           'num_adapter_params']
 
 # %% ../nbs/02b_lora.ipynb
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -220,3 +221,11 @@ def load_adapter(model: Decoder, path) -> Decoder:
                 new = jnp.asarray(val, old.dtype)
                 var.set_value(jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else new)
     return model
+
+# %% ../nbs/02b_lora.ipynb
+def num_adapter_params(cfg, rank: int, targets: str | Sequence[str] = ALL_LINEAR) -> int:
+    "Number of adapter parameters (A and B of every targeted projection of every layer) of a `ModelConfig`."
+    d, f, q, kv = cfg.d_model, cfg.mlp_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    sizes = {"q_proj": d + q, "k_proj": d + kv, "v_proj": d + kv, "o_proj": q + d, "gate_proj": d + f,
+             "up_proj": d + f, "down_proj": f + d}
+    return cfg.num_layers * rank * sum(sizes[n] for n in parse_target_modules(targets))
