@@ -423,8 +423,9 @@ def _read_any(kind: str, src: Path, a) -> tuple[Decoder, Path | None]:
         from maxpost.train import lora_run_config, load_lora_run, find_run_checkpoint
         if lora_run_config(run) is None: return load_run_model(src, dtype=a.dtype), tok
         from maxpost.config import RunConfig   # a LoRA run: its base with its adapters merged
+        from maxpost.sharding import make_mesh  # on a mesh, as the run built it: a random base is drawn the same way
         cfg = RunConfig(run_name="convert", base_output_directory=str(run.parent), dtype=a.dtype, param_dtype=a.dtype)
-        return load_lora_run(run, find_run_checkpoint(src)[1], cfg, None), tok
+        return load_lora_run(run, find_run_checkpoint(src)[1], cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1])), tok
     from maxpost.maxtext import load_maxtext
     import yaml
     if not a.model_name: raise ValueError("a MaxText checkpoint does not say which model it holds: pass --model-name")
