@@ -409,6 +409,8 @@ def _convert_parser() -> argparse.ArgumentParser:
     p.add_argument("--unscanned", action="store_true", help="--to maxtext: one entry per layer (layers_<i>)")
     p.add_argument("--no-ocdbt", action="store_true", help="--to maxtext: one directory per array instead of OCDBT")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="dtype of the weights written")
+    p.add_argument("--adapter", default="", help="a peft LoRA adapter directory to merge into SRC (its base) before "
+                                                 "writing; a maxpost LoRA run as SRC is merged without it")
     return p
 
 # %% ../nbs/03_checkpoint.ipynb
@@ -417,12 +419,25 @@ def _read_any(kind: str, src: Path, a) -> tuple[Decoder, Path | None]:
     if kind == "hf": return load_hf(src, dtype=a.dtype), src
     if kind == "maxpost":
         run = src if (src / "checkpoints").is_dir() else src.parent.parent
-        return load_run_model(src, dtype=a.dtype), (run / "tokenizer" if (run / "tokenizer").is_dir() else None)
+        tok = run / "tokenizer" if (run / "tokenizer").is_dir() else None
+        from maxpost.train import lora_run_config, load_lora_run, find_run_checkpoint
+        if lora_run_config(run) is None: return load_run_model(src, dtype=a.dtype), tok
+        from maxpost.config import RunConfig   # a LoRA run: its base with its adapters merged
+        from maxpost.sharding import make_mesh  # on a mesh, as the run built it: a random base is drawn the same way
+        cfg = RunConfig(run_name="convert", base_output_directory=str(run.parent), dtype=a.dtype, param_dtype=a.dtype)
+        return load_lora_run(run, find_run_checkpoint(src)[1], cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1])), tok
     from maxpost.maxtext import load_maxtext
     import yaml
     if not a.model_name: raise ValueError("a MaxText checkpoint does not say which model it holds: pass --model-name")
     overrides = yaml.safe_load(a.model_overrides) if a.model_overrides else {}
     return load_maxtext(src, a.model_name, overrides=overrides, dtype=a.dtype), None
+
+def _merge_adapter(model: Decoder, adapter: Path) -> Decoder:
+    "`model` with the peft LoRA adapter in `adapter` (rank, alpha and targets from its config) merged in."
+    from maxpost.lora import add_lora, load_adapter, merge_lora, read_adapter_config
+    c = read_adapter_config(adapter)
+    add_lora(model, c["r"], c.get("lora_alpha", 8), c.get("target_modules") or (), rslora=c.get("use_rslora", False))
+    return merge_lora(load_adapter(model, adapter))
 
 def convert_main(argv) -> int:
     "`maxpost convert SRC DST [--to hf|maxpost|maxtext] [--overwrite] ...`: see `--help`."
@@ -441,8 +456,10 @@ def convert_main(argv) -> int:
     if dst.absolute() == src.absolute() or dst.absolute() in src.absolute().parents:
         return fail(f"{dst} holds the source {src}; write somewhere else")
     tok_src = Path(a.tokenizer) if a.tokenizer else None
-    try: model, found_tok = _read_any(kind, src, a)
-    except ValueError as e: return fail(str(e))
+    try:
+        model, found_tok = _read_any(kind, src, a)
+        if a.adapter: model = _merge_adapter(model, Path(a.adapter))
+    except (ValueError, FileNotFoundError) as e: return fail(str(e))
     tok_src = tok_src or found_tok
     def write(tmp: Path):
         if to == "maxpost": _write_run(model, tmp, str(src), tok_src)

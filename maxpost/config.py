@@ -91,7 +91,16 @@ class TrainConfig(RunConfig):
     eval_interval: int = 0  # 0 = only at the end
     checkpoint_period: int = 100
     max_checkpoints_to_keep: int = 2
-    save_hf: bool = False  # also write a Hugging Face directory at the end
+    save_hf: bool = False  # also write a Hugging Face directory at the end (with LoRA: the merged model)
+    # LoRA (chapter 02b_lora): train low-rank adapters on a frozen base; 0 = train every weight
+    lora_rank: int = 0
+    lora_alpha: float = 32.0  # the update is scaled by lora_alpha / lora_rank (/ sqrt(lora_rank) with rsLoRA)
+    # all-linear, or projections joined by commas: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
+    lora_target_modules: str = "all-linear"
+    lora_dropout: float = 0.0  # only 0: maxpost applies no dropout to the adapters' input
+    lora_use_rslora: bool = False  # scale by lora_alpha / sqrt(lora_rank) (Kalajdzievski, 2023)
+    load_adapter_path: str = ""  # a peft adapter directory the adapters start from (same rank and targets)
+    save_adapter: bool = False  # also write the adapters as a peft directory {run_dir}/adapter at the end
 
 
 @dataclass
@@ -162,8 +171,8 @@ def choices(key: str) -> tuple[str, ...]:
 POSITIVE = ("steps", "global_batch_size", "gradient_accumulation_steps", "log_period", "checkpoint_period",
             "max_checkpoints_to_keep", "max_target_length", "num_generations", "max_prompt_length",
             "max_completion_length", "num_iterations", "eval_batches", "learning_rate", "max_grad_norm",
-            "reward_timeout_s")
-NON_NEGATIVE = ("eval_k", "eval_num_prompts", "eval_interval", "warmup_steps", "weight_decay", "beta", "z_loss",
+            "reward_timeout_s", "lora_alpha")
+NON_NEGATIVE = ("lora_rank", "eval_k", "eval_num_prompts", "eval_interval", "warmup_steps", "weight_decay", "beta", "z_loss",
                 "epsilon_low", "epsilon_high", "mini_batch_size", "temperature", "top_k", "logits_chunk_size")
 INTERVALS = {"adam_b1": (0.0, 1.0, "[0, 1)"), "adam_b2": (0.0, 1.0, "[0, 1)"), "top_p": (0.0, 1.0, "(0, 1]"),
              "max_dropped_share": (0.0, 1.0, "[0, 1]")}
@@ -227,6 +236,19 @@ def _rl_problems(cfg: RLConfig) -> list[str]:
     return out
 
 # %% ../nbs/00_config.ipynb
+def _lora_problems(cfg: TrainConfig) -> list[str]:
+    "The LoRA keys: target names (the list is `maxpost.lora.LORA_TARGETS`), dropout, and the keys that need a rank."
+    from maxpost.lora import target_modules_problem
+    out = [p] if (p := target_modules_problem(cfg.lora_target_modules)) else []
+    if cfg.lora_dropout != 0:
+        out.append(f"lora_dropout={cfg.lora_dropout} is not supported: maxpost applies no dropout to the adapters; "
+                   "set lora_dropout=0")
+    if cfg.lora_rank == 0:
+        out += [f"{k}={getattr(cfg, k)!r} needs adapters: set lora_rank= (e.g. 8)"
+                for k in ("load_adapter_path", "save_adapter") if getattr(cfg, k)]
+    return out
+
+# %% ../nbs/00_config.ipynb
 def validate(cfg: RunConfig) -> RunConfig:
     "Check required values, word choices, ranges and the relations between keys; raise `ConfigError` naming every problem."
     missing = [f.name for f in fields(cfg) if getattr(cfg, f.name) == MISSING]
@@ -244,6 +266,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         problems.append(f"global_batch_size={cfg.global_batch_size} must be a multiple of "
                         f"gradient_accumulation_steps={cfg.gradient_accumulation_steps}")
     if isinstance(cfg, RLConfig): problems += _rl_problems(cfg)
+    if isinstance(cfg, TrainConfig): problems += _lora_problems(cfg)
     if problems: raise ConfigError(f"{type(cfg).__name__}: " + "; ".join(problems))
     return cfg
 

@@ -16,8 +16,8 @@ from .sharding import active_mesh, constrain, create_sharded, logical_spec
 __all__ = ['FAMILIES', 'ATTENTION_IMPLEMENTATIONS', 'REMAT_POLICIES', 'PRESETS', 'NEG_INF', 'ModelConfig', 'get_model_config',
            'zero_of', 'plus_zero', 'after', 'rms_norm', 'RMSNorm', 'rope_frequencies', 'rope_sin_cos', 'rotate',
            'apply_rope', 'Spans', 'attention_mask', 'block_sizes', 'blockwise_attention', 'attention_implementation',
-           'attend', 'attend_step', 'dense', 'Attention', 'gated', 'MLP', 'Block', 'Tape', 'recompute_in_backward',
-           'init_cache', 'grow_cache', 'Decoder', 'create_model', 'num_params', 'TunixPolicy']
+           'attend', 'attend_step', 'dense', 'LoRA', 'project', 'Attention', 'gated', 'MLP', 'Block', 'Tape',
+           'recompute_in_backward', 'init_cache', 'grow_cache', 'Decoder', 'create_model', 'num_params', 'TunixPolicy']
 
 # %% ../nbs/02_model.ipynb
 FAMILIES = ("llama", "qwen3", "gemma3")
@@ -499,6 +499,27 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     return _dense(x, w, n_in)
 
 # %% ../nbs/02_model.ipynb
+class LoRA(nnx.Module):
+    "The low-rank update `scale * (x A) B` of a projection [in..., out...]: A [in..., r] (uniform, ±1/√fan-in) and B [r, out...] (zeros) are `nnx.LoRAParam`s with the projection's logical names, the rank axis unnamed."
+    def __init__(self, key, in_shape, out_shape, in_names, out_names, rank: int, scale: float, param_dtype="float32"):
+        bound = 1.0 / math.sqrt(math.prod(in_shape))                       # peft's kaiming_uniform(a=√5) bound
+        a = jax.random.uniform(key, (*in_shape, rank), jnp.float32, -bound, bound)
+        self.a = nnx.LoRAParam(a.astype(param_dtype), out_sharding=(*in_names, None), eager_sharding=False)
+        self.b = nnx.LoRAParam(jnp.zeros((rank, *out_shape), param_dtype), out_sharding=(None, *out_names),
+                               eager_sharding=False)
+        self.n_in, self.scale = len(in_shape), float(scale)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = dense(x, self.a[...].astype(x.dtype), self.n_in)
+        return dense(h, self.b[...].astype(x.dtype), 1) * jnp.asarray(self.scale, x.dtype)
+
+def project(module: nnx.Module, name: str, x: jax.Array, proj=dense, n_in: int = 1) -> jax.Array:
+    "`x` through the projection `name` of `module` (`proj`: `dense` or a remat tape's), plus the low-rank update of the adapter attached as `{name}_lora`, if any."
+    y = proj(x, getattr(module, name)[...].astype(module.cfg.dtype), n_in)
+    lora = getattr(module, f"{name}_lora", None)
+    return y if lora is None else y + lora(x)
+
+# %% ../nbs/02_model.ipynb
 class Attention(nnx.Module):
     "Multi-head attention with GQA, optional qk-norm, RoPE and an optional KV cache."
     def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
@@ -522,9 +543,9 @@ class Attention(nnx.Module):
         "Returns the attention output [B,T,D] and, with `kv=(k_bkhs, v_bksh, index)` (this layer's cache), the updated (k, v). `sin_cos`: `rope_sin_cos` of the positions with `self.inv_freq()`; `spans`: of the queries and of the keys (the row itself, or the written cache)."
         c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         proj = dense if tape is None else tape.dense
-        q_btnh = proj(x_btd, self.q_proj[...].astype(dt))
-        k_btkh = proj(x_btd, self.k_proj[...].astype(dt))
-        v_btkh = proj(x_btd, self.v_proj[...].astype(dt))
+        q_btnh = project(self, "q_proj", x_btd, proj)
+        k_btkh = project(self, "k_proj", x_btd, proj)
+        v_btkh = project(self, "v_proj", x_btd, proj)
         q_btnh = constrain(q_btnh, ("batch", "length", "heads", "head_dim"))
         k_btkh = constrain(k_btkh, ("batch", "length", "kv_heads", "head_dim"))
         if c.qk_norm: q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
@@ -534,7 +555,7 @@ class Attention(nnx.Module):
         window = c.sliding_window if self.local else None
         if kv is None:                                      # no cache: causal by index too
             o_btnh = attend(q_btnh, k_bkht, v_bkth, spans, scale, window=window, causal=True, implementation=c.attention)
-            return proj(o_btnh, self.o_proj[...].astype(dt), 2), None
+            return project(self, "o_proj", o_btnh, proj, 2), None
         k_cache, v_cache, index = kv
         step = q_btnh.shape[1] == 1 and c.num_kv_heads == 1   # read the cache, then write it: see `attend_step`
         if step:
@@ -543,7 +564,7 @@ class Attention(nnx.Module):
         k_bkhs = jax.lax.dynamic_update_slice(k_cache, k_bkht.astype(k_cache.dtype), (0, 0, 0, index))
         v_bksh = jax.lax.dynamic_update_slice(v_cache, v_bkth.astype(v_cache.dtype), (0, 0, index, 0))
         if not step: o_btnh = attend(q_btnh, k_bkhs.astype(dt), v_bksh.astype(dt), spans, scale, window=window)
-        return proj(o_btnh, self.o_proj[...].astype(dt), 2), (k_bkhs, v_bksh)
+        return project(self, "o_proj", o_btnh, proj, 2), (k_bkhs, v_bksh)
 
 # %% ../nbs/02_model.ipynb
 def _gate(g, u, activation: str):
@@ -569,12 +590,10 @@ class MLP(nnx.Module):
         self.down_proj = _param(rngs.params(), _fan_in(0), (f, d), ("mlp", "embed"), pd)
 
     def __call__(self, x_btd, tape=None):
-        dt = jnp.dtype(self.cfg.dtype)
         proj = dense if tape is None else tape.dense
-        h_btf = gated(proj(x_btd, self.gate_proj[...].astype(dt)), proj(x_btd, self.up_proj[...].astype(dt)),
-                      self.cfg.activation)
+        h_btf = gated(project(self, "gate_proj", x_btd, proj), project(self, "up_proj", x_btd, proj), self.cfg.activation)
         h_btf = constrain(h_btf, ("batch", "length", "mlp"))
-        return proj(h_btf, self.down_proj[...].astype(dt))
+        return project(self, "down_proj", h_btf, proj)
 
 # %% ../nbs/02_model.ipynb
 class Block(nnx.Module):

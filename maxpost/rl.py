@@ -190,7 +190,8 @@ class RLTrainer(Trainer):
         G, B, A = cfg.num_generations, cfg.global_batch_size, cfg.gradient_accumulation_steps
         self.mini_batch = cfg.mini_batch_size or B
         self.updates_per_step = cfg.num_iterations * (B // self.mini_batch)
-        self.ref_params = jax.tree.map(jnp.copy, self.params) if cfg.beta > 0 else None
+        self.ref_params = None                 # π_ref: a copy of the initial weights; with LoRA, the base (adapters off)
+        if cfg.beta > 0: self.ref_params = jax.tree.map(jnp.copy if self.lora_base is None else jnp.zeros_like, self.params)
         self.rewards = as_reward_specs(reward_fns if reward_fns is not None else
                                        list(zip(cfg.reward_functions, cfg.reward_weights)))
         if cfg.reward_isolation == "process": start_reward_workers(self.rewards)   # they boot while the rest loads

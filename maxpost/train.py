@@ -19,9 +19,10 @@ from .checkpoint import checkpoint_manager, save_state, restore_state
 # %% auto 0
 __all__ = ['LR_SCHEDULES', 'RESUMABLE_KEYS', 'PEAK_BF16_FLOPS', 'REMAT_CHOICES', 'make_run_mesh', 'model_options',
            'set_model_options', 'model_config_for', 'is_hf_dir', 'find_run_checkpoint', 'read_model_config',
-           'load_policy', 'embedded_task_dir', 'embedded_split', 'eval_source', 'check_held_out', 'tokenizer_dir',
-           'check_vocab', 'Setup', 'setup_run', 'make_schedule', 'make_optimizer', 'on_mesh', 'init_opt_state',
-           'all_finite', 'check_finite', 'RunLocked', 'RunLock', 'config_changes', 'effective_config', 'check_resume',
+           'load_policy', 'lora_options', 'attach_adapters', 'check_lora_base', 'lora_run_config', 'load_lora_run',
+           'embedded_task_dir', 'embedded_split', 'eval_source', 'check_held_out', 'tokenizer_dir', 'check_vocab',
+           'Setup', 'setup_run', 'make_schedule', 'make_optimizer', 'on_mesh', 'init_opt_state', 'all_finite',
+           'check_finite', 'RunLocked', 'RunLock', 'config_changes', 'effective_config', 'check_resume',
            'precheck_run_dir', 'RunCheckpoints', 'StopSignal', 'RunStopped', 'read_metrics', 'MetricsLogger',
            'flops_per_token', 'device_peak_flops', 'StepCompiler', 'memory_needed', 'device_memory', 'MemoryShortfall',
            'check_memory', 'Trainer', 'split_base', 'run_command', 'print_summary']
@@ -103,9 +104,60 @@ def load_policy(cfg: RunConfig, mesh) -> nnx.Module:
     except FileNotFoundError:
         raise ConfigError(f"load_parameters_path={path!r} is no checkpoint maxpost reads; give "
                           f"{describe_checkpoint_kinds()}") from None
+    if lora_run_config(run) is not None: return load_lora_run(run, step, cfg, mesh)   # adapters + their base
     model = mm.create_model(dataclasses.replace(read_model_config(run), **opts), seed=0, mesh=mesh)
     _restore_params(run, step, model)   # the random weights above are overwritten in their shards
     return model
+
+# %% ../nbs/08_train.ipynb
+def lora_options(cfg: TrainConfig) -> dict | None:
+    "The `lora.add_lora` arguments of `cfg`, or None when `lora_rank=0` (every weight trains)."
+    opts = dict(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_target_modules, rslora=cfg.lora_use_rslora)
+    return opts if cfg.lora_rank > 0 else None
+
+def attach_adapters(cfg: TrainConfig, model: nnx.Module, mesh) -> tuple:
+    "`(graphdef, adapters, base, record)`: `model` with the adapters of `cfg` (from `load_adapter_path` when given) split into the trainable adapters and the frozen base; `record` says where the base came from."
+    from maxpost.lora import add_lora, load_adapter, split_adapters, base_fingerprint
+    add_lora(model, **lora_options(cfg), seed=cfg.seed, mesh=mesh)
+    if cfg.load_adapter_path:
+        try: load_adapter(model, os.path.expanduser(cfg.load_adapter_path))
+        except (ValueError, FileNotFoundError) as e: raise ConfigError(f"load_adapter_path={cfg.load_adapter_path!r}: {e}") from None
+    graphdef, adapters, base = split_adapters(model)
+    record = dict(load_parameters_path=cfg.load_parameters_path, model_name=cfg.model_name,
+                  fingerprint=base_fingerprint(base))
+    return graphdef, adapters, base, record
+
+def check_lora_base(saved: dict | None, current: dict, where) -> None:
+    "Refuse a resume whose frozen base is not the one the checkpoint's adapters were trained on."
+    if saved is None: raise ConfigError(f"the checkpoint under {where} holds no LoRA adapters; start a new run_name")
+    if saved["fingerprint"] != current["fingerprint"]:
+        raise ConfigError(f"the checkpoint under {where} holds adapters trained on another base than "
+                          f"load_parameters_path={current['load_parameters_path'] or current['model_name']!r} holds "
+                          "now (its weights changed since the run started); restore that base, or start a new "
+                          "run_name to train adapters on this one")
+
+# %% ../nbs/08_train.ipynb
+def lora_run_config(run: Path) -> dict | None:
+    "The effective config of the maxpost run `run` when it trained LoRA adapters, else None."
+    run = Path(run)
+    if not (run / "config.yml").exists(): return None
+    c = effective_config(run)
+    return c if c.get("lora_rank", 0) else None
+
+def load_lora_run(run: Path, step: int | None, cfg: RunConfig, mesh) -> nnx.Module:
+    "The merged model of a LoRA run at checkpoint `step` (default: the newest): its base loaded as the run loaded it, in `cfg`'s dtypes, plus its adapters."
+    from maxpost.lora import add_lora, split_adapters, base_fingerprint, merge_lora
+    rc = lora_run_config(run)
+    keys = ("load_parameters_path", "model_name", "model_overrides", "seed")
+    model = load_policy(dataclasses.replace(cfg, **{k: rc[k] for k in keys}), mesh)
+    add_lora(model, rc["lora_rank"], rc["lora_alpha"], rc["lora_target_modules"], rslora=rc["lora_use_rslora"], mesh=mesh)
+    _, adapters, base = split_adapters(model)
+    restored, _, meta = restore_state(checkpoint_manager(Path(run) / "checkpoints"), adapters, step=step)
+    check_lora_base(meta.get("lora_base"), {"load_parameters_path": rc["load_parameters_path"],
+                                            "model_name": rc["model_name"], "fingerprint": base_fingerprint(base)},
+                    Path(run) / "checkpoints")
+    nnx.update(model, restored)
+    return merge_lora(model)
 
 # %% ../nbs/08_train.ipynb
 def embedded_task_dir(cfg: RunConfig) -> Path:
@@ -265,7 +317,8 @@ RESUMABLE_KEYS = ("steps", "log_period", "eval_interval", "checkpoint_period", "
                   "learning_rate", "lr_schedule", "warmup_steps", "weight_decay", "adam_b1", "adam_b2", "max_grad_norm",
                   # the layout on devices and in memory: the same numbers, computed differently
                   "coordinator_address", "num_processes", "process_id", "data_parallelism", "fsdp_parallelism",
-                  "tensor_parallelism", "remat_policy", "logits_chunk_size", "attention", "gradient_accumulation_steps")
+                  "tensor_parallelism", "remat_policy", "logits_chunk_size", "attention", "gradient_accumulation_steps",
+                  "save_adapter")
 
 def config_changes(old: dict, new: dict) -> tuple[dict, dict]:
     "`(breaking, allowed)` changes `{key: (old, new)}` between two configs as dicts (keys in both)."
@@ -506,7 +559,9 @@ class Trainer:
         precheck_run_dir(cfg)
         self.cfg, s = cfg, setup_run(cfg)
         self.mesh, self.tokenizer, self.tok_dir, self.model_cfg = s.mesh, s.tokenizer, s.tokenizer_dir, s.model.cfg
-        self.graphdef, self.params, self.rest = nnx.split(s.model, nnx.Param, ...)
+        self.lora_base = None                         # with LoRA: where the frozen base came from
+        if lora_options(cfg) is None: self.graphdef, self.params, self.rest = nnx.split(s.model, nnx.Param, ...)
+        else: self.graphdef, self.params, self.rest, self.lora_base = attach_adapters(cfg, s.model, self.mesh)
         self.tx, self.schedule = make_optimizer(cfg), make_schedule(cfg)
         self.opt_state = init_opt_state(self.tx, self.params, self.mesh)
         self.step, self.latest_checkpoint, self.flops_per_token = 0, None, None
@@ -557,6 +612,7 @@ def _resume(tr: Trainer, ckpts: RunCheckpoints) -> None:
     restored = ckpts.restore_latest(tr.params, tr.opt_state)
     if restored is None: return
     tr.params, tr.opt_state, meta = restored
+    if tr.lora_base is not None: check_lora_base(meta.get("lora_base"), tr.lora_base, ckpts.dir / "checkpoints")
     tr.restore_data(meta["data"]); tr.step = tr.latest_checkpoint = int(meta["step"])
     tr.after_restore()
 
@@ -568,9 +624,16 @@ def _throughput(tr: Trainer, tokens: float, seconds: float, steps: int) -> dict:
     return out
 
 def _export_hf(tr: Trainer) -> None:
+    "`save_hf` (with LoRA: the merged model) and/or `save_adapter` (peft's format) into the run directory."
     from maxpost.checkpoint import save_hf
-    save_hf(tr.model, run_dir(tr.cfg) / "hf")
-    tr.tokenizer.save_pretrained(run_dir(tr.cfg) / "hf")
+    from maxpost.lora import save_merged_hf, save_adapter
+    cfg, d = tr.cfg, run_dir(tr.cfg)
+    if cfg.save_hf:
+        (save_hf if tr.lora_base is None else save_merged_hf)(tr.model, d / "hf")
+        tr.tokenizer.save_pretrained(d / "hf")
+    if cfg.save_adapter:
+        save_adapter(tr.model, d / "adapter", cfg.load_parameters_path or cfg.model_name)
+        tr.tokenizer.save_pretrained(d / "adapter")
 
 # %% ../nbs/08_train.ipynb
 def _fit(tr: Trainer, progress: bool) -> dict:
@@ -579,7 +642,8 @@ def _fit(tr: Trainer, progress: bool) -> dict:
     ckpts = RunCheckpoints(cfg, tr.model_cfg, tr.tok_dir)
     _resume(tr, ckpts)
     log = MetricsLogger(run_dir(cfg), cfg.steps, tr.step, desc=f"{tr.kind} {cfg.run_name}", progress=progress)
-    save = lambda: (ckpts.save(tr.step, tr.params, tr.opt_state, {"data": tr.data_state(), "seed": cfg.seed}),
+    meta = lambda: {"data": tr.data_state(), "seed": cfg.seed, **({"lora_base": tr.lora_base} if tr.lora_base else {})}
+    save = lambda: (ckpts.save(tr.step, tr.params, tr.opt_state, meta()),
                     setattr(tr, "latest_checkpoint", tr.step))
     last, final, window = {}, {}, [time.perf_counter(), 0.0, 0]     # [start, tokens, steps] since the last log
     tr.progress = progress
@@ -602,7 +666,7 @@ def _fit(tr: Trainer, progress: bool) -> dict:
             if final: log.log(tr.step, final, kind="eval")
     finally:
         log.close(); ckpts.close(); tr.close()
-    if cfg.save_hf and jax.process_index() == 0: _export_hf(tr)
+    if (cfg.save_hf or cfg.save_adapter) and jax.process_index() == 0: _export_hf(tr)
     return {"step": tr.step, **{k: last[k] for k in tr.summary_keys if k in last}, **final}
 
 # %% ../nbs/08_train.ipynb

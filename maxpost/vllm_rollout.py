@@ -11,6 +11,7 @@ import numpy as np
 import jax
 from flax import nnx
 from .checkpoint import hf_param_map, param_to_hf, save_hf
+from .lora import merged_weight, save_merged_hf
 from .model import ModelConfig
 from .sampling import Rollout, completion_logps, left_pad
 
@@ -65,9 +66,9 @@ def to_torch(a: np.ndarray):
     return torch.from_numpy(a)
 
 def hf_weights(model) -> Iterator[tuple[str, object]]:
-    "The model's weights as (Hugging Face name, torch tensor) pairs, one at a time, in layer order."
+    "The model's weights as (Hugging Face name, torch tensor) pairs, one at a time, in layer order; with LoRA adapters, each projection merged (W + s A B) as it goes."
     for e in hf_param_map(model.cfg):
-        yield e.hf_name, to_torch(param_to_hf(e.kind, np.asarray(jax.device_get(_variable(model, e.path).get_value()))))
+        yield e.hf_name, to_torch(param_to_hf(e.kind, np.asarray(jax.device_get(merged_weight(model, e.path)))))
 
 # %% ../nbs/16_vllm.ipynb
 def refresh_tied_head(vllm_model) -> bool:
@@ -101,7 +102,7 @@ class VLLMRollout:
         from vllm import LLM
         from vllm.platforms import current_platform
         self.model, self.tokenizer, self.max_model_len = model, tokenizer, max_model_len
-        self.workdir = save_hf(model, Path(workdir))
+        self.workdir = save_merged_hf(model, Path(workdir))   # the plain weights, or the merged ones with LoRA
         if tokenizer is not None: tokenizer.save_pretrained(str(self.workdir))
         on_cpu = current_platform.is_cpu()
         if on_cpu and kv_cache_memory_bytes is None:   # vLLM's CPU default is a share of RAM; size it to the job

@@ -178,6 +178,26 @@ def test_sync_weights_parity(setup):
     setup["engine"].sync_weights(setup["model"])      # leave the engine as the other tests expect
 
 
+def test_sync_weights_parity_with_lora(setup):
+    "A LoRA policy (adapters trained by real SFT steps, base frozen) synced as merged weights: vLLM's log-probs equal maxpost's teacher-forced ones of the adapted model, which is never merged on the maxpost side."
+    from maxpost.lora import add_lora, split_adapters
+    engine, tok, prompts = setup["engine"], setup["tokenizer"], setup["prompts"]
+    graphdef, params, rest = split_adapters(add_lora(create_model(get_model_config("tiny"), seed=0), rank=4, alpha=8.0))
+    tx = optax.adam(1e-2)
+    opt_state, step = tx.init(params), make_sft_step(graphdef, tx)
+    kw = dict(max_prompt_length=64, max_completion_length=T, num_generations=2, temperature=0.7, seed=5)
+    batches = sft_batches(tok, 6)
+    for _ in range(2):
+        for _ in range(3): params, opt_state, _ = step(params, rest, opt_state, next(batches))
+        policy = nnx.merge(graphdef, params, rest)
+        stale = engine.generate(prompts, **kw)
+        assert np.abs(stale.per_token_logps - teacher_forced(policy, stale, 0.7)).max() > 1e-2   # the adapters moved it
+        engine.sync_weights(policy)
+        fresh = engine.generate(prompts, **kw)
+        np.testing.assert_allclose(fresh.per_token_logps, teacher_forced(policy, fresh, 0.7), atol=TOL)
+    setup["engine"].sync_weights(setup["model"])      # leave the engine as the other tests expect
+
+
 # --------------------------------------------------------------------------------------------- RL with the engine
 
 REWARD_MODULE = '''
