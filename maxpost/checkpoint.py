@@ -186,16 +186,16 @@ def _variable(model, path: tuple) -> nnx.Variable:
     for p in path: node = node[p] if isinstance(p, int) else getattr(node, p)
     return node
 
-def hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:
-    "The model's weights as HF tensor name -> NumPy array in HF layout."
-    return {e.hf_name: np.ascontiguousarray(param_to_hf(e.kind, _host(_variable(model, e.path).get_value())))
-            for e in hf_param_map(model.cfg)}
+def hf_state_dict(model: Decoder, weight=None) -> dict[str, np.ndarray]:
+    "The model's weights as HF tensor name -> NumPy array in HF layout; `weight(model, path)` reads each (default: the parameter)."
+    weight = weight or (lambda m, p: _variable(m, p).get_value())
+    return {e.hf_name: np.ascontiguousarray(param_to_hf(e.kind, _host(weight(model, e.path)))) for e in hf_param_map(model.cfg)}
 
 # %% ../nbs/03_checkpoint.ipynb
-def save_hf(model: Decoder, path) -> Path:
-    "Write `config.json` + `model.safetensors` that transformers' `from_pretrained` loads."
+def save_hf(model: Decoder, path, tensors: dict | None = None) -> Path:
+    "Write `config.json` + `model.safetensors` (the model's `hf_state_dict`, or `tensors`) that transformers' `from_pretrained` loads."
     path = Path(path); path.mkdir(parents=True, exist_ok=True)
-    tensors = hf_state_dict(model)
+    tensors = hf_state_dict(model) if tensors is None else tensors
     if jax.process_index() == 0:
         (path / "config.json").write_text(json.dumps(model_config_to_hf_config(model.cfg), indent=2))
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})

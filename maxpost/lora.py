@@ -106,19 +106,13 @@ def has_lora(model: nnx.Module) -> bool:
 # %% ../nbs/02b_lora.ipynb
 def merged_state_dict(model: Decoder) -> dict[str, np.ndarray]:
     "`checkpoint.hf_state_dict` of the merged model: HF tensor name -> NumPy array, one projection merged at a time."
-    from maxpost.checkpoint import hf_param_map, param_to_hf, _host
-    return {e.hf_name: np.ascontiguousarray(param_to_hf(e.kind, _host(merged_weight(model, e.path))))
-            for e in hf_param_map(model.cfg)}
+    from maxpost.checkpoint import hf_state_dict
+    return hf_state_dict(model, merged_weight)
 
 def save_merged_hf(model: Decoder, path) -> Path:
     "`checkpoint.save_hf` of the merged model: config.json + model.safetensors of W + s A B."
-    from maxpost.checkpoint import model_config_to_hf_config
-    path = Path(path); path.mkdir(parents=True, exist_ok=True)
-    tensors = merged_state_dict(model)
-    if jax.process_index() == 0:
-        (path / "config.json").write_text(json.dumps(model_config_to_hf_config(model.cfg), indent=2))
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return path
+    from maxpost.checkpoint import save_hf
+    return save_hf(model, path, merged_state_dict(model))
 
 def merge_lora(model: Decoder) -> Decoder:
     "A plain `Decoder` (no adapters) whose weights are `model`'s merged ones."

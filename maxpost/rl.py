@@ -19,7 +19,7 @@ from .sampling import Rollout, generate, completion_logps
 from .sft_loss import LOGITS_CHUNK_SIZE
 from .prompts import prompt_token_ids, stop_token_ids
 from .evaluate import load_examples, load_eval_examples, evaluate, eval_options
-from .train import Trainer, all_finite, check_held_out, run_command, print_summary
+from .train import Trainer, all_finite, check_held_out, train_command
 
 # %% auto 0
 __all__ = ['DEFAULT_EPSILONS', 'ROLLOUT_ENGINES', 'resolve_epsilons', 'loss_options', 'PromptIterator', 'RolloutEngine',
@@ -286,6 +286,4 @@ def train_rl(cfg: RLConfig, *, progress: bool = True, reward_fns=None) -> dict:
 # %% ../nbs/15_rl.ipynb
 def main(argv=None) -> int:
     "`maxpost rl [base.yml] key=value ...`"
-    cfg, out = run_command("rl", train_rl, argv)
-    print_summary(out, cfg)
-    return 0
+    return train_command("rl", train_rl, argv)

@@ -13,8 +13,8 @@ from .config import SFTConfig, ConfigError
 from . import sharding
 from .data import make_sft_iterator, check_examples
 from .sft_loss import LOGITS_CHUNK_SIZE, model_sft_loss, target_weights, summarize_metrics
-from .train import (Trainer, embedded_split, eval_source, check_held_out, run_command,
-                           print_summary, all_finite, flops_per_token)
+from .train import (Trainer, embedded_split, eval_source, check_held_out, train_command,
+                           all_finite, flops_per_token)
 
 # %% auto 0
 __all__ = ['split_micro_batches', 'make_sft_step', 'make_eval_step', 'sft_data', 'evaluate_loss', 'SFTTrainer', 'train_sft',
@@ -140,6 +140,4 @@ def train_sft(cfg: SFTConfig, *, progress: bool = True) -> dict:
 # %% ../nbs/09_sft.ipynb
 def main(argv=None) -> int:
     "`maxpost sft [base.yml] key=value ...`"
-    cfg, out = run_command("sft", train_sft, argv)
-    print_summary(out, cfg)
-    return 0
+    return train_command("sft", train_sft, argv)

@@ -25,7 +25,7 @@ __all__ = ['LR_SCHEDULES', 'RESUMABLE_KEYS', 'PEAK_BF16_FLOPS', 'REMAT_CHOICES',
            'check_finite', 'RunLocked', 'RunLock', 'config_changes', 'effective_config', 'check_resume',
            'precheck_run_dir', 'RunCheckpoints', 'StopSignal', 'RunStopped', 'read_metrics', 'MetricsLogger',
            'flops_per_token', 'device_peak_flops', 'StepCompiler', 'memory_needed', 'device_memory', 'MemoryShortfall',
-           'check_memory', 'Trainer', 'split_base', 'run_command', 'print_summary']
+           'check_memory', 'Trainer', 'split_base', 'run_command', 'print_summary', 'train_command']
 
 # %% ../nbs/08_train.ipynb
 def make_run_mesh(cfg: RunConfig) -> jax.sharding.Mesh:
@@ -685,3 +685,9 @@ def print_summary(out: dict, cfg: RunConfig) -> None:
     "One line of final metrics and where the run wrote."
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in out.items() if k != "kind"))
     print(f"run directory: {run_dir(cfg)}")
+
+def train_command(kind: str, train, argv=None) -> int:
+    "`maxpost sft|rl`: the config from `argv`, `train(cfg)`, then the summary line; exit code 0."
+    cfg, out = run_command(kind, train, argv)
+    print_summary(out, cfg)
+    return 0
