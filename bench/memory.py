@@ -12,9 +12,15 @@ Three tables (bench/README.md, "Memory"), each measurement in its own subprocess
   with Qwen3-0.6B's exact config saved as a local Hugging Face directory: one conversation of 2,048 tokens a step,
   fp32, 1 warm-up + 2 timed steps, without and with remat / gradient checkpointing. Peak RSS of the whole training
   process (`ru_maxrss` of the child) and seconds per step. Before each run it waits until the host has
-  `--min-free-gb` (default 20) GB available, and runs one such process at a time.
-- `speed`: the maxpost rows of bench/sft_throughput.py, rollout.py and grpo_step.py (20m) for two checkouts
-  (`--before` and this one), interleaved rounds.
+  `--min-free-gb` (default 18) GB available, and runs one such process at a time; the compile drivers of the other
+  tables, if running, wait meanwhile (the pause file).
+
+Not written yet: `speed` (the maxpost rows of bench/sft_throughput.py, rollout.py and grpo_step.py for two
+checkouts, interleaved rounds).
+
+Each driver appends every record to bench/results/memory_{presets,growth,real}.json as soon as it is measured and
+skips what is already there (`--fresh` measures anew), so an interrupted table resumes; it writes the markdown
+table next to it (`.md`).
 
 "Before" is another checkout of maxpost (e.g. `git worktree add ../maxpost-before b650bc3`), passed as `--before DIR`:
 its package goes first on the workers' PYTHONPATH; the workers adapt to its older API (no `chunk_size`, remat only
@@ -23,8 +29,7 @@ none | full, RL update without micro-batches).
     python bench/memory.py presets --before ../maxpost-before          # table (a)
     python bench/memory.py presets --presets qwen3-0.6b --kinds sft   # one preset, this checkout only
     python bench/memory.py growth --before ../maxpost-before           # table (b) and its plot
-    python bench/memory.py real                                       # table (c): maxpost vs TRL (needs ~20 GB free)
-    python bench/memory.py speed --before ../maxpost-before --rounds 3
+    python bench/memory.py real                                       # table (c): maxpost vs TRL (needs 18 GB free)
     python bench/memory.py --worker compile --kind sft --preset qwen3-0.6b --seq 2048 --batch 8 --remat full
 """
 from __future__ import annotations
@@ -223,7 +228,7 @@ def worker(a) -> None:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("table", nargs="?", choices=["presets", "growth", "real", "speed"])
+    ap.add_argument("table", nargs="?", choices=["presets", "growth", "real"])
     ap.add_argument("--worker", choices=list(WORKERS))
     ap.add_argument("--before", help="a checkout of the earlier maxpost to compare with (its package is imported)")
     # compile worker
@@ -290,7 +295,7 @@ def _measure_all(name: str, jobs: list[tuple[dict, list[str]]], a) -> list[dict]
             try: rec = common.run_worker("memory.py", args, extra_path=path, timeout=a.timeout)
             finally: Path(BUSY).unlink(missing_ok=True)
             rec["key"] = k
-            records = [r for r in records if r["key"] != k] + [rec]
+            records = [r for r in _load_records(name) if r["key"] != k] + [rec]   # another driver may have added some
             _save_records(name, records)
             brief = {x: rec.get(x) for x in ("temporaries", "compile_s", "error")}
             print(label, key, brief, rec.get("log_tail", [""])[-1:] if "error" in rec else "", flush=True)
@@ -321,7 +326,8 @@ def presets_table(a) -> int:
                                remat=remat)
                     jobs.append((key, compile_args(kind, remat, preset=preset, seq=seq)))
     jobs.sort(key=lambda j: (j[0]["preset"] == "llama3.1-8b", j[0]["seq"] > 2048 and j[0]["kind"] == "sft"))   # the slowest last
-    records = _measure_all("memory_presets", jobs, a)
+    _measure_all("memory_presets", jobs, a)
+    records = _load_records("memory_presets")
     rows = []
     for key, _ in jobs:
         shape = f"{SFT_ROWS} x {key['seq']}" if key["kind"] == "sft" else f"{RL_ROWS} x ({RL_PROMPT}+{RL_COMPLETION})"
@@ -348,7 +354,8 @@ def growth_table(a) -> int:
     jobs += [(dict(axis="vocab", seq=GROWTH_VOCAB_SEQ, vocab=v),
               compile_args("sft", "none", shape="20m", seq=GROWTH_VOCAB_SEQ, batch=1, vocab=v, dtype="float32"))
              for v in GROWTH_VOCABS]
-    records = _measure_all("memory_growth", jobs, a)
+    _measure_all("memory_growth", jobs, a)
+    records = _load_records("memory_growth")
     out = ""
     for axis, xs, col in (("seq", GROWTH_SEQS, "seq"), ("vocab", GROWTH_VOCABS, "vocab")):
         rows, prev = [], {}
