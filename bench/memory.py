@@ -155,9 +155,9 @@ def real_inputs(workdir: Path) -> tuple[Path, Path]:
     return hf, data
 
 
-def maxpost_real_command(hf: Path, data: Path, out: Path, remat: str) -> list[str]:
+def maxpost_real_command(hf: Path, data: Path, out: Path, remat: str, check_memory: str = "on") -> list[str]:
     "`maxpost sft` on the real shape: one conversation a step, fp32, lr 1e-5 constant, AdamW, clip 1.0."
-    return ["maxpost", "sft", f"run_name=real-{remat}", f"base_output_directory={out}", f"load_parameters_path={hf}",
+    return ["maxpost", "sft", f"run_name=real-{remat}", *(["check_memory=false"] if check_memory == "off" else []), f"base_output_directory={out}", f"load_parameters_path={hf}",
             f"dataset_name={data}", f"eval_dataset_name={data}", "eval_split=train", "eval_on_train=true",
             "eval_batches=1", f"steps={REAL_STEPS}", "global_batch_size=1", f"max_target_length={REAL_TOKENS}",
             "packing=false", f"remat_policy={remat}", "dtype=float32", "param_dtype=float32", "learning_rate=1e-5",
@@ -170,14 +170,14 @@ def real_maxpost_worker(a) -> dict:
     import shutil, tempfile
     hf, data = real_inputs(Path(a.workdir))
     out = Path(tempfile.mkdtemp(prefix="real-", dir=a.workdir))
-    cmd = maxpost_real_command(hf, data, out, a.remat)
+    cmd = maxpost_real_command(hf, data, out, a.remat, a.check_memory)
     exe = str(Path(sys.executable).parent / "maxpost")
     t0 = time.perf_counter()
     p = subprocess.run([exe, *cmd[1:]], capture_output=True, text=True)
     wall = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     log = (p.stdout + p.stderr).splitlines()
-    rec = dict(framework="maxpost", remat=a.remat, returncode=p.returncode, child_peak_rss_mb=round(rss),
+    rec = dict(framework="maxpost", remat=a.remat, check_memory=a.check_memory, returncode=p.returncode, child_peak_rss_mb=round(rss),
                wall_s=round(wall, 1), command=" ".join(cmd).replace(str(Path(a.workdir)), "$WORKDIR"),
                memory_check=[l.strip() for l in log if "memory" in l.lower()][:4])
     metrics = out / f"real-{a.remat}" / "metrics.jsonl"
@@ -248,8 +248,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--minimal-presets", default="qwen3-0.6b", help="presets measured with remat minimal too")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per compile worker")
     ap.add_argument("--fresh", action="store_true", help="measure again what bench/results already holds")
+    ap.add_argument("--after-first", action="store_true", help="every job of this checkout first, then --before's")
+    ap.add_argument("--report", action="store_true", help="measure nothing: write the table of what bench/results holds")
     ap.add_argument("--workdir", default="/tmp/maxpost-bench-real", help="real: where the HF directory, data and runs go")
     ap.add_argument("--min-free-gb", type=float, default=18.0, help="real: wait for this much available memory first")
+    ap.add_argument("--check-memory", choices=["on", "off"], default="on",
+                    help="real: off runs maxpost sft with check_memory=false (its check refused a run that fits)")
     ap.add_argument("--frameworks", default="maxpost,trl"); ap.add_argument("--real-remats", default="none,full")
     return ap
 
@@ -282,23 +286,25 @@ def _measure_all(name: str, jobs: list[tuple[dict, list[str]]], a) -> list[dict]
     """Run each compile job (key, worker args) in its own process, after (this checkout) and, with --before, before;
     each record is appended to bench/results/{name}.json as soon as it is measured, and a job already recorded there
     is not run again (delete the file, or pass --fresh, to measure anew)."""
+    if a.report: return _load_records(name)
     records = [] if a.fresh else _load_records(name)
     done = {json.dumps(r["key"], sort_keys=True) for r in records if "error" not in r}
     checkouts = [(None, "after")] + ([(str(Path(a.before).resolve()), "before")] if a.before else [])
-    for key, args in jobs:
-        for path, label in checkouts:
-            k = {**key, "code": label}
-            if json.dumps(k, sort_keys=True) in done: continue
-            if label == "before" and key.get("remat", "none") not in ("none", "full"): continue   # before: none | full only
-            while os.path.exists(PAUSE): time.sleep(10)   # another table (real) needs the machine's memory for now
-            Path(BUSY).touch()
-            try: rec = common.run_worker("memory.py", args, extra_path=path, timeout=a.timeout)
-            finally: Path(BUSY).unlink(missing_ok=True)
-            rec["key"] = k
-            records = [r for r in _load_records(name) if r["key"] != k] + [rec]   # another driver may have added some
-            _save_records(name, records)
-            brief = {x: rec.get(x) for x in ("temporaries", "compile_s", "error")}
-            print(label, key, brief, rec.get("log_tail", [""])[-1:] if "error" in rec else "", flush=True)
+    pairs = [(j, c) for j in jobs for c in checkouts]
+    if a.after_first: pairs = [(j, c) for c in checkouts for j in jobs]
+    for (key, args), (path, label) in pairs:
+        k = {**key, "code": label}
+        if json.dumps(k, sort_keys=True) in done: continue
+        if label == "before" and key.get("remat", "none") not in ("none", "full"): continue   # before: none | full only
+        while os.path.exists(PAUSE): time.sleep(10)   # another table (real) needs the machine's memory for now
+        Path(BUSY).touch()
+        try: rec = common.run_worker("memory.py", args, extra_path=path, timeout=a.timeout)
+        finally: Path(BUSY).unlink(missing_ok=True)
+        rec["key"] = k
+        records = [r for r in _load_records(name) if r["key"] != k] + [rec]   # another driver may have added some
+        _save_records(name, records)
+        brief = {x: rec.get(x) for x in ("temporaries", "compile_s", "error")}
+        print(label, key, brief, rec.get("log_tail", [""])[-1:] if "error" in rec else "", flush=True)
     return records
 
 
@@ -335,6 +341,10 @@ def presets_table(a) -> int:
         rows.append(dict(kind=key["kind"].upper(), preset=key["preset"], shape=shape, remat=key["remat"],
                          before=_gb(before), after=_gb(after),
                          ratio=None if not (after and before) else round(before / after, 1)))
+    missing = [("PYTHONPATH=$BEFORE " if code == "before" else "") + f"python bench/memory.py {' '.join(args)}"
+               for key, args in jobs for code in ("after", "before")
+               if _temps(records, **key, code=code) is None and not (code == "before" and key["remat"] == "minimal")]
+    if missing: print("not measured yet:\n  " + "\n  ".join(missing), flush=True)
     out = common.print_table("Compile-only temporaries (GB), bf16 compute, fp32 parameters and AdamW", rows,
                              [("kind", "step"), ("preset", "preset"), ("shape", "rows x tokens"), ("remat", "remat"),
                               ("before", "before (GB)"), ("after", "after (GB)"), ("ratio", "before / after")])
@@ -425,14 +435,15 @@ def real_table(a) -> int:
     try:
         for remat in a.real_remats.split(","):
             for fw in a.frameworks.split(","):
-                key = dict(framework=fw, remat=remat)
+                key = dict(framework=fw, remat=remat, **({"check_memory": "off"} if fw == "maxpost" and
+                                                          a.check_memory == "off" else {}))
                 if json.dumps(key, sort_keys=True) in done: continue
                 free0 = wait_for_memory()
                 if free0 < a.min_free_gb:
                     rec = {"error": f"never {a.min_free_gb} GB available within {a.timeout}s"}
                 else:
                     rec = common.run_worker("memory.py", ["--worker", f"real-{fw}", "--remat", remat, "--workdir",
-                                                          a.workdir], timeout=3600,
+                                                          a.workdir, "--check-memory", a.check_memory], timeout=3600,
                                            extra_path=common.TRL_SITE if fw == "trl" else None)
                 rec.update(key=key, available_gb_before=round(free0, 1))
                 Path(PAUSE).unlink(missing_ok=True)
@@ -446,12 +457,15 @@ def real_table(a) -> int:
     for r in records:
         if "error" in r: continue
         times = (r.get("step_times") or [])[REAL_WARMUP:]
-        rows.append(dict(framework=("maxpost sft" if r["key"]["framework"] == "maxpost" else "TRL SFTTrainer"),
+        rows.append(dict(framework=("maxpost sft" + (", check_memory=false" if r["key"].get("check_memory") == "off" else "")
+                                    if r["key"]["framework"] == "maxpost" else "TRL SFTTrainer"),
                          remat=r["key"]["remat"] if r["key"]["framework"] == "maxpost" else
                          ("gradient checkpointing" if r["key"]["remat"] != "none" else "none"),
                          rss=None if r.get("returncode") else round(r["child_peak_rss_mb"] / 1024, 1),
                          step=round(common.median(times), 1) if times else None,
-                         status="ok" if not r.get("returncode") else f"exit {r['returncode']}"))
+                         status="ok" if not r.get("returncode") else
+                         "refused by its memory check" if any("short by" in l for l in r.get("log_tail", []))
+                         else f"exit {r['returncode']}"))
     out = common.print_table(f"Real shape: Qwen3-0.6B config (random weights), 1 x {REAL_TOKENS} tokens, fp32", rows,
                              [("framework", "trainer"), ("remat", "remat / checkpointing"), ("rss", "peak RSS (GiB)"),
                               ("step", "s / step (median of 2)"), ("status", "status")])
