@@ -296,6 +296,7 @@ def _measure_all(name: str, jobs: list[tuple[dict, list[str]]], a) -> list[dict]
         k = {**key, "code": label}
         if json.dumps(k, sort_keys=True) in done: continue
         if label == "before" and key.get("remat", "none") not in ("none", "full"): continue   # before: none | full only
+        if label == "before" and "chunk" in key: continue                                 # before: no logits_chunk_size
         while os.path.exists(PAUSE): time.sleep(10)   # another table (real) needs the machine's memory for now
         Path(BUSY).touch()
         try: rec = common.run_worker("memory.py", args, extra_path=path, timeout=a.timeout)
@@ -311,7 +312,8 @@ def _measure_all(name: str, jobs: list[tuple[dict, list[str]]], a) -> list[dict]
 def _gb(x): return None if x is None else round(x / 1e9, 2)
 
 
-def _temps(records, **key):
+def _temps(records, chunk=None, **key):
+    key["chunk"] = chunk   # records measured at another logits_chunk_size than the default carry it in their key
     for r in records:
         if all(r["key"].get(k) == v for k, v in key.items()) and "error" not in r: return r["temporaries"]
     return None
@@ -364,6 +366,9 @@ def growth_table(a) -> int:
     jobs += [(dict(axis="vocab", seq=GROWTH_VOCAB_SEQ, vocab=v),
               compile_args("sft", "none", shape="20m", seq=GROWTH_VOCAB_SEQ, batch=1, vocab=v, dtype="float32"))
              for v in GROWTH_VOCABS]
+    jobs += [(dict(axis="vocab", seq=GROWTH_VOCAB_SEQ, vocab=v, chunk=256),   # the chunk, not the sequence, sets it
+              compile_args("sft", "none", shape="20m", seq=GROWTH_VOCAB_SEQ, batch=1, vocab=v, dtype="float32",
+                           chunk=256)) for v in (GROWTH_VOCABS[0], 131072)]
     _measure_all("memory_growth", jobs, a)
     records = _load_records("memory_growth")
     out = ""
@@ -372,6 +377,9 @@ def growth_table(a) -> int:
         for x in xs:
             key = dict(axis=axis, seq=x if axis == "seq" else GROWTH_VOCAB_SEQ, vocab=x if axis == "vocab" else 8192)
             row = {col: x}
+            if axis == "vocab":
+                t = _temps(records, **key, chunk=256, code="after")
+                row["chunk256"] = None if t is None else round(t / 2**20)
             for code in ("before", "after"):
                 t = _temps(records, **key, code=code)
                 row[code] = None if t is None else round(t / 2**20)
@@ -381,6 +389,7 @@ def growth_table(a) -> int:
         cols = [(col, "sequence" if axis == "seq" else f"vocabulary (T = {GROWTH_VOCAB_SEQ})"),
                 ("before", "before (MiB)"), ("after", "after (MiB)")]
         if axis == "seq": cols = cols[:2] + [("before_x", "before x prev")] + cols[2:] + [("after_x", "after x prev")]
+        else: cols.append(("chunk256", "after, logits_chunk_size=256 (MiB)"))
         out += common.print_table(f"20M shape, SFT step temporaries against the {'sequence' if axis == 'seq' else 'vocabulary'}"
                                   " (fp32, batch 1, no remat)", rows, cols)
     (RESULTS / "memory_growth.md").write_text(out)
@@ -437,7 +446,7 @@ def real_table(a) -> int:
             for fw in a.frameworks.split(","):
                 key = dict(framework=fw, remat=remat, **({"check_memory": "off"} if fw == "maxpost" and
                                                           a.check_memory == "off" else {}))
-                if json.dumps(key, sort_keys=True) in done: continue
+                if a.report or json.dumps(key, sort_keys=True) in done: continue
                 free0 = wait_for_memory()
                 if free0 < a.min_free_gb:
                     rec = {"error": f"never {a.min_free_gb} GB available within {a.timeout}s"}
@@ -452,23 +461,26 @@ def real_table(a) -> int:
                 print(fw, remat, {k: rec.get(k) for k in ("child_peak_rss_mb", "step_times", "returncode", "error")},
                       rec.get("log_tail", ""), flush=True)
     finally:
-        Path(PAUSE).unlink(missing_ok=True)
+        if not a.report: Path(PAUSE).unlink(missing_ok=True)
     rows = []
-    for r in records:
+    order = lambda r: (r["key"]["remat"] != "none", r["key"]["framework"] != "maxpost", r["key"].get("check_memory", "on") != "on")
+    for r in sorted(records, key=order):
         if "error" in r: continue
         times = (r.get("step_times") or [])[REAL_WARMUP:]
+        refused = bool(r.get("returncode")) and any("short by" in l for l in r.get("log_tail", []))
+        status = ("ok" if not r.get("returncode") else
+                  f"refused by its memory check at step {len(r.get('step_times') or []) + 1}" if refused
+                  else f"exit {r['returncode']}")
         rows.append(dict(framework=("maxpost sft" + (", check_memory=false" if r["key"].get("check_memory") == "off" else "")
                                     if r["key"]["framework"] == "maxpost" else "TRL SFTTrainer"),
                          remat=r["key"]["remat"] if r["key"]["framework"] == "maxpost" else
                          ("gradient checkpointing" if r["key"]["remat"] != "none" else "none"),
-                         rss=None if r.get("returncode") else round(r["child_peak_rss_mb"] / 1024, 1),
-                         step=round(common.median(times), 1) if times else None,
-                         status="ok" if not r.get("returncode") else
-                         "refused by its memory check" if any("short by" in l for l in r.get("log_tail", []))
-                         else f"exit {r['returncode']}"))
+                         rss=round(r["child_peak_rss_mb"] / 1024, 1),
+                         step=round(common.median(times), 1) if times and not r.get("returncode") else None,
+                         steps=", ".join(f"{t:.0f}" for t in r.get("step_times") or []), status=status))
     out = common.print_table(f"Real shape: Qwen3-0.6B config (random weights), 1 x {REAL_TOKENS} tokens, fp32", rows,
                              [("framework", "trainer"), ("remat", "remat / checkpointing"), ("rss", "peak RSS (GiB)"),
-                              ("step", "s / step (median of 2)"), ("status", "status")])
+                              ("step", "s / step (steps 2-3)"), ("steps", "each step (s)"), ("status", "status")])
     (RESULTS / "memory_real.md").write_text(out)
     return 0
 
