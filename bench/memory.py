@@ -347,9 +347,16 @@ def presets_table(a) -> int:
                for key, args in jobs for code in ("after", "before")
                if _temps(records, **key, code=code) is None and not (code == "before" and key["remat"] == "minimal")]
     if missing: print("not measured yet:\n  " + "\n  ".join(missing), flush=True)
+    todo = {}
+    for r in rows:
+        if r["after"] is None and r["before"] is None:
+            todo.setdefault(f"{r['kind']} {r['preset']} {r['shape']}", []).append(r["remat"])
+    todo = [f"{k} ({', '.join(v)})" for k, v in todo.items()]
+    rows = [r for r in rows if r["after"] is not None or r["before"] is not None]
     out = common.print_table("Compile-only temporaries (GB), bf16 compute, fp32 parameters and AdamW", rows,
                              [("kind", "step"), ("preset", "preset"), ("shape", "rows x tokens"), ("remat", "remat"),
                               ("before", "before (GB)"), ("after", "after (GB)"), ("ratio", "before / after")])
+    if todo: out += "\nNot measured yet (no cell): " + "; ".join(todo) + ".\n"
     (RESULTS / "memory_presets.md").write_text(out)
     return 0
 
