@@ -414,6 +414,10 @@ def _plot_growth(records) -> None:
                               vocab=x if axis == "vocab" else 8192, code=code)) for x in xs]
             pts = [(x, t / 2**20) for x, t in pts if t is not None]
             if pts: ax.plot(*zip(*pts), style, label=code)
+        if axis == "vocab":
+            pts = [(x, _temps(records, axis="vocab", seq=GROWTH_VOCAB_SEQ, vocab=x, chunk=256, code="after")) for x in xs]
+            pts = [(x, t / 2**20) for x, t in pts if t is not None]
+            if pts: ax.plot(*zip(*pts), "^-", label="after, logits_chunk_size=256")
         if axis == "seq":
             x0, t0 = xs[0], _temps(records, axis="seq", seq=xs[0], vocab=8192, code="after")
             if t0: ax.plot(xs, [t0 / 2**20 * x / x0 for x in xs], ":", color="gray", label="linear from 512 (after)")
