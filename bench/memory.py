@@ -30,6 +30,8 @@ none | full, RL update without micro-batches).
     python bench/memory.py presets --presets qwen3-0.6b --kinds sft   # one preset, this checkout only
     python bench/memory.py growth --before ../maxpost-before           # table (b) and its plot
     python bench/memory.py real                                       # table (c): maxpost vs TRL (needs 18 GB free)
+    python bench/memory.py real --check-memory off                    # table (c)'s maxpost rows with check_memory=false
+    python bench/memory.py presets --report                           # rewrite a table from bench/results, measure nothing
     python bench/memory.py --worker compile --kind sft --preset qwen3-0.6b --seq 2048 --batch 8 --remat full
 """
 from __future__ import annotations
