@@ -265,8 +265,13 @@ def on_mesh(tree, mesh):
     return jax.tree.map(place, tree)
 
 def init_opt_state(tx: optax.GradientTransformation, params, mesh):
-    "`tx.init(params)` with every array on `mesh` (moments sharded like the parameters, scalars replicated)."
-    return on_mesh(jax.jit(tx.init)(params), mesh)
+    "`tx.init(params)` on `mesh`: each moment laid out like its parameter, everything else (counts) replicated."
+    from jax.sharding import NamedSharding, PartitionSpec
+    # Left to itself, jit replicates the zeros (they depend on no input's layout): every device would hold the
+    # whole Adam state until the first step's outputs come back sharded, and that step would compile twice.
+    layout = optax.tree_map_params(tx, lambda s, p: p.sharding, jax.eval_shape(tx.init, params), params,
+                                   transform_non_params=lambda s: NamedSharding(mesh, PartitionSpec()))
+    return jax.jit(tx.init, out_shardings=layout)(params)
 
 # %% ../nbs/08_train.ipynb
 def all_finite(tree) -> jax.Array:
@@ -493,10 +498,16 @@ class StepCompiler:
     def __init__(self, jitted, on_compile=None): self.jitted, self.on_compile, self.programs = jitted, on_compile, {}
 
     @staticmethod
-    def _signature(args) -> tuple:
+    def _layout(x):
+        "What a sharding does to `x`, not how it is spelled: on a 1-device mesh P() and P('fsdp') are the same layout."
+        s = getattr(x, "sharding", None)
+        if s is None: return None
+        return tuple(d.id for d in s._device_assignment), str(s._to_xla_hlo_sharding(np.ndim(x)))
+
+    @classmethod
+    def _signature(cls, args) -> tuple:
         leaves, tree = jax.tree.flatten(args)
-        return tree, tuple((np.shape(x), np.dtype(getattr(x, "dtype", np.asarray(x).dtype)), getattr(x, "sharding", None))
-                           for x in leaves)
+        return tree, tuple((np.shape(x), np.dtype(getattr(x, "dtype", np.asarray(x).dtype)), cls._layout(x)) for x in leaves)
 
     def compile(self, *args):
         "The compiled program for `args` (arrays or `jax.ShapeDtypeStruct`s), compiling it the first time."
@@ -511,20 +522,22 @@ class StepCompiler:
 
 # %% ../nbs/08_train.ipynb
 def memory_needed(compiled) -> dict:
-    "Bytes per device of a compiled program: arguments, outputs, aliased (donated and reused), temporaries, peak."
+    "Bytes per device of a compiled program: arguments, outputs, aliased (donated and reused), temporaries, running (allocated while it runs), peak."
     m = compiled.memory_analysis()
     out = dict(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
                temporaries=m.temp_size_in_bytes)
-    out["peak"] = out["arguments"] + out["temporaries"] + out["outputs"] - out["aliased"]
+    out["running"] = out["temporaries"] + out["outputs"] - out["aliased"]   # allocated while it runs
+    out["peak"] = out["arguments"] + out["running"]
     return out
 
 # %% ../nbs/08_train.ipynb
 def device_memory() -> tuple[int, str]:
-    "`(bytes, what)` one device may use: `MAXPOST_DEVICE_MEMORY`, else the device's `bytes_limit`, else the host's available RAM over its CPU devices."
+    "`(bytes, what)` free on one device now: `MAXPOST_DEVICE_MEMORY`, else the device's `bytes_limit - bytes_in_use`, else the host's available RAM over its CPU devices."
     if os.environ.get("MAXPOST_DEVICE_MEMORY"): return int(float(os.environ["MAXPOST_DEVICE_MEMORY"])), "MAXPOST_DEVICE_MEMORY"
     dev = jax.local_devices()[0]
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
-    if stats and stats.get("bytes_limit"): return int(stats["bytes_limit"]), f"{dev.device_kind} memory"
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"free {dev.device_kind} memory"
     try: avail = next(int(l.split()[1]) * 1024 for l in open("/proc/meminfo") if l.startswith("MemAvailable:"))
     except (OSError, StopIteration): avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     n = jax.local_device_count()
@@ -537,13 +550,14 @@ class MemoryShortfall(ConfigError):
     "A compiled step needs more memory than the device has; the message says how much and what would make it fit."
 
 def check_memory(label: str, compiled, knobs: str) -> str:
-    "A line on what `compiled` needs per device next to what the device has; `MemoryShortfall` naming the shortfall and `knobs` when it cannot fit."
-    limit, what = device_memory()
+    "A line on what `compiled` allocates per device while it runs next to what is free; `MemoryShortfall` naming the shortfall and `knobs` when it cannot fit."
+    free, what = device_memory()
     need = memory_needed(compiled)
-    line = (f"{label} needs {_gib(need['peak'])} per device (arguments {_gib(need['arguments'])}, temporaries "
-            f"{_gib(need['temporaries'])}) of {_gib(limit)} ({what})")
-    if need["peak"] > limit:
-        raise MemoryShortfall(f"{line}: short by {_gib(need['peak'] - limit)}. To fit: {knobs}; or set "
+    line = (f"{label} needs {_gib(need['running'])} more per device while it runs (temporaries "
+            f"{_gib(need['temporaries'])}; its arguments, {_gib(need['arguments'])}, are in memory already) of "
+            f"{_gib(free)} ({what})")
+    if need["running"] > free:
+        raise MemoryShortfall(f"{line}: short by {_gib(need['running'] - free)}. To fit: {knobs}; or set "
                               "check_memory=false to try anyway")
     return line
 
