@@ -502,7 +502,8 @@ class StepCompiler:
         "What a sharding does to `x`, not how it is spelled: on a 1-device mesh P() and P('fsdp') are the same layout."
         s = getattr(x, "sharding", None)
         if s is None: return None
-        return tuple(d.id for d in s._device_assignment), str(s._to_xla_hlo_sharding(np.ndim(x)))
+        try: return tuple(d.id for d in s._device_assignment), str(s._to_xla_hlo_sharding(np.ndim(x)))
+        except AttributeError: return s          # private JAX API: a later JAX without it compiles once per spelling
 
     @classmethod
     def _signature(cls, args) -> tuple:
