@@ -31,8 +31,11 @@ none | full, RL update without micro-batches).
     python bench/memory.py growth --before ../maxpost-before           # table (b) and its plot
     python bench/memory.py real                                       # table (c): maxpost vs TRL (needs 18 GB free)
     python bench/memory.py real --check-memory off                    # table (c)'s maxpost rows with check_memory=false
+    python bench/memory.py real --frameworks maxpost --real-remats full --chunk 256   # ... with logits_chunk_size=256
     python bench/memory.py presets --report                           # rewrite a table from bench/results, measure nothing
     python bench/memory.py --worker compile --kind sft --preset qwen3-0.6b --seq 2048 --batch 8 --remat full
+    python bench/memory.py --worker compile --kind sft --preset qwen3-0.6b --layers 2 --seq 128 --batch 1 \
+        --remat full --dtype float32 --optimizer sgd                  # what the optimizer adds, on a small model
 """
 from __future__ import annotations
 import argparse, glob, json, os, resource, subprocess, sys, time
@@ -55,6 +58,7 @@ def _model_config(a):
         if a.vocab: s["vocab_size"] = a.vocab
         s["max_seq_len"] = max(a.seq, 8192)
         return get_model_config("tiny", **s, **over)
+    if a.layers: over["num_layers"] = a.layers
     return get_model_config(a.preset, **over)
 
 
@@ -70,18 +74,23 @@ def compile_worker(a) -> dict:
     from maxpost.model import Decoder
     cfg = _model_config(a)
     graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
-    tx = optax.chain(optax.clip_by_global_norm(1.0),
-                     optax.adamw(1e-5, weight_decay=0.01, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
+    adamw = optax.adamw(1e-5, weight_decay=0.01, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
+    tx = {"adamw": optax.chain(optax.clip_by_global_norm(1.0), adamw), "adamw-noclip": adamw,
+          "sgd": optax.sgd(1e-5), "none": optax.sgd(1e-5)}[a.optimizer]
     opt_state = jax.eval_shape(tx.init, params)
     chunk = {} if a.chunk is None else {"chunk_size": a.chunk or None}
     if a.kind == "sft":
         from maxpost.sft import make_sft_step
         if chunk and not _accepts(make_sft_step, "chunk_size"): raise SystemExit("this maxpost has no chunk_size")
         step = make_sft_step(graphdef, tx, accum=a.accum, **chunk)
+        if a.optimizer == "none":   # the gradient alone (an output here, not a temporary): what autodiff holds
+            from maxpost.sft_loss import model_sft_loss
+            step = jax.jit(jax.grad(lambda p, r, b: model_sft_loss(nnx.merge(graphdef, p, r), b, **chunk)[0]))
         ids = jax.ShapeDtypeStruct((a.batch, a.seq), jnp.int32)
         batch = dict(tokens=ids, positions=ids, segment_ids=ids, loss_mask=ids)
         tokens = a.batch * a.seq
     else:
+        if a.optimizer == "none": raise SystemExit("--optimizer none is for the SFT step")
         from maxpost.rl import make_rl_step
         loss_kwargs = dict(loss_algo="grpo", epsilon_low=0.2, epsilon_high=0.28, beta=0.04, kl_estimator="k3",
                            loss_agg_mode="token-mean")
@@ -98,7 +107,8 @@ def compile_worker(a) -> dict:
                      old_per_token_logps=f32, ref_per_token_logps=f32)
         tokens = a.batch * (a.prompt + a.completion)
     t0 = time.perf_counter()
-    compiled = step.lower(params, rest, opt_state, batch).compile()
+    args = (params, rest, batch) if a.optimizer == "none" else (params, rest, opt_state, batch)
+    compiled = step.lower(*args).compile()
     m = compiled.memory_analysis()
     out = dict(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
                temporaries=m.temp_size_in_bytes)
@@ -157,9 +167,12 @@ def real_inputs(workdir: Path) -> tuple[Path, Path]:
     return hf, data
 
 
-def maxpost_real_command(hf: Path, data: Path, out: Path, remat: str, check_memory: str = "on") -> list[str]:
+def maxpost_real_command(hf: Path, data: Path, out: Path, remat: str, check_memory: str = "on",
+                         chunk: int | None = None) -> list[str]:
     "`maxpost sft` on the real shape: one conversation a step, fp32, lr 1e-5 constant, AdamW, clip 1.0."
-    return ["maxpost", "sft", f"run_name=real-{remat}", *(["check_memory=false"] if check_memory == "off" else []), f"base_output_directory={out}", f"load_parameters_path={hf}",
+    return ["maxpost", "sft", f"run_name=real-{remat}", *(["check_memory=false"] if check_memory == "off" else []),
+            *([f"logits_chunk_size={chunk}"] if chunk is not None else []),
+            f"base_output_directory={out}", f"load_parameters_path={hf}",
             f"dataset_name={data}", f"eval_dataset_name={data}", "eval_split=train", "eval_on_train=true",
             "eval_batches=1", f"steps={REAL_STEPS}", "global_batch_size=1", f"max_target_length={REAL_TOKENS}",
             "packing=false", f"remat_policy={remat}", "dtype=float32", "param_dtype=float32", "learning_rate=1e-5",
@@ -172,14 +185,15 @@ def real_maxpost_worker(a) -> dict:
     import shutil, tempfile
     hf, data = real_inputs(Path(a.workdir))
     out = Path(tempfile.mkdtemp(prefix="real-", dir=a.workdir))
-    cmd = maxpost_real_command(hf, data, out, a.remat, a.check_memory)
+    cmd = maxpost_real_command(hf, data, out, a.remat, a.check_memory, a.chunk)
     exe = str(Path(sys.executable).parent / "maxpost")
     t0 = time.perf_counter()
     p = subprocess.run([exe, *cmd[1:]], capture_output=True, text=True)
     wall = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     log = (p.stdout + p.stderr).splitlines()
-    rec = dict(framework="maxpost", remat=a.remat, check_memory=a.check_memory, returncode=p.returncode, child_peak_rss_mb=round(rss),
+    rec = dict(framework="maxpost", remat=a.remat, check_memory=a.check_memory, chunk=a.chunk, returncode=p.returncode,
+               child_peak_rss_mb=round(rss),
                wall_s=round(wall, 1), command=" ".join(cmd).replace(str(Path(a.workdir)), "$WORKDIR"),
                memory_check=[l.strip() for l in log if "memory" in l.lower()][:4])
     metrics = out / f"real-{a.remat}" / "metrics.jsonl"
@@ -223,8 +237,8 @@ WORKERS = {"compile": compile_worker, "real-maxpost": real_maxpost_worker, "real
 
 
 def worker(a) -> None:
-    common.emit({"worker": a.worker, **{k: getattr(a, k) for k in ("kind", "preset", "shape", "seq", "batch", "remat",
-                                                                      "accum", "chunk", "dtype")},
+    keys = ("kind", "preset", "shape", "seq", "batch", "remat", "accum", "chunk", "dtype", "layers", "optimizer")
+    common.emit({"worker": a.worker, **{k: getattr(a, k) for k in keys},
                  **WORKERS[a.worker](a)})
 
 
@@ -242,6 +256,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--vocab", type=int)
     ap.add_argument("--remat", default="none"); ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--layers", type=int, help="compile: the preset with this many layers (where the memory goes)")
+    ap.add_argument("--optimizer", choices=["adamw", "adamw-noclip", "sgd", "none"], default="adamw",
+                    help="compile (SFT): the trainers' clip + AdamW (default), AdamW without clipping, plain SGD, "
+                         "or none (the gradient alone)")
     ap.add_argument("--chunk", type=int, help="logits_chunk_size (0 = whole logits); default: the step's default")
     # drivers
     ap.add_argument("--presets", help="comma-separated presets (default: all five)")
@@ -458,14 +476,17 @@ def real_table(a) -> int:
         for remat in a.real_remats.split(","):
             for fw in a.frameworks.split(","):
                 key = dict(framework=fw, remat=remat, **({"check_memory": "off"} if fw == "maxpost" and
-                                                          a.check_memory == "off" else {}))
+                                                          a.check_memory == "off" else {}),
+                           **({"chunk": a.chunk} if fw == "maxpost" and a.chunk is not None else {}))
                 if a.report or json.dumps(key, sort_keys=True) in done: continue
                 free0 = wait_for_memory()
                 if free0 < a.min_free_gb:
                     rec = {"error": f"never {a.min_free_gb} GB available within {a.timeout}s"}
                 else:
+                    chunk = ["--chunk", str(a.chunk)] if fw == "maxpost" and a.chunk is not None else []
                     rec = common.run_worker("memory.py", ["--worker", f"real-{fw}", "--remat", remat, "--workdir",
-                                                          a.workdir, "--check-memory", a.check_memory], timeout=3600,
+                                                          a.workdir, "--check-memory", a.check_memory, *chunk],
+                                            timeout=3600,
                                            extra_path=common.TRL_SITE if fw == "trl" else None)
                 rec.update(key=key, available_gb_before=round(free0, 1))
                 Path(PAUSE).unlink(missing_ok=True)
@@ -476,7 +497,8 @@ def real_table(a) -> int:
     finally:
         if not a.report: Path(PAUSE).unlink(missing_ok=True)
     rows = []
-    order = lambda r: (r["key"]["remat"] != "none", r["key"]["framework"] != "maxpost", r["key"].get("check_memory", "on") != "on")
+    order = lambda r: (r["key"]["remat"] != "none", r["key"]["framework"] != "maxpost", r["key"].get("check_memory", "on") != "on",
+                       r["key"].get("chunk") is not None)
     for r in sorted(records, key=order):
         if "error" in r: continue
         times = (r.get("step_times") or [])[REAL_WARMUP:]
@@ -484,8 +506,9 @@ def real_table(a) -> int:
         status = ("ok" if not r.get("returncode") else
                   f"refused by its memory check at step {len(r.get('step_times') or []) + 1}" if refused
                   else f"exit {r['returncode']}")
-        rows.append(dict(framework=("maxpost sft" + (", check_memory=false" if r["key"].get("check_memory") == "off" else "")
-                                    if r["key"]["framework"] == "maxpost" else "TRL SFTTrainer"),
+        flags = ((", check_memory=false" if r["key"].get("check_memory") == "off" else "") +
+                 (f", logits_chunk_size={r['key']['chunk']}" if r["key"].get("chunk") is not None else ""))
+        rows.append(dict(framework=("maxpost sft" + flags if r["key"]["framework"] == "maxpost" else "TRL SFTTrainer"),
                          remat=r["key"]["remat"] if r["key"]["framework"] == "maxpost" else
                          ("gradient checkpointing" if r["key"]["remat"] != "none" else "none"),
                          rss=round(r["child_peak_rss_mb"] / 1024, 1),

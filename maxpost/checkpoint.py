@@ -18,8 +18,9 @@ from .sharding import param_shardings
 
 # %% auto 0
 __all__ = ['ARCHITECTURES', 'hf_config_to_model_config', 'model_config_to_hf_config', 'HFParam', 'hf_param_map', 'hf_to_param',
-           'param_to_hf', 'hf_state_dict', 'save_hf', 'load_hf', 'CheckpointError', 'checkpoint_manager', 'save_state',
-           'restore_state', 'hf_to_maxpost', 'load_run_model', 'maxpost_to_hf', 'convert_main']
+           'param_to_hf', 'hf_state_dict', 'save_hf', 'load_hf', 'CheckpointError', 'save_limit_gb',
+           'checkpoint_manager', 'save_state', 'restore_state', 'hf_to_maxpost', 'load_run_model', 'maxpost_to_hf',
+           'convert_main']
 
 # %% ../nbs/03_checkpoint.ipynb
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3",
@@ -268,10 +269,21 @@ class CheckpointError(RuntimeError):
     "A checkpoint that cannot be written, or no step that can be restored; the message says which and what is intact."
 
 # %% ../nbs/03_checkpoint.ipynb
-def checkpoint_manager(directory, *, max_to_keep: int | None = None) -> ocp.CheckpointManager:
-    "A synchronous Orbax manager over `directory` (created if needed); with `max_to_keep`, older steps beyond it are deleted now and after each save."
+def save_limit_gb(*trees) -> int:
+    "Orbax's `save_concurrent_gb` for saving `trees`: the smallest whole GB above their largest array (Orbax refuses an array that does not fit)."
+    largest = max((x.size * np.dtype(x.dtype).itemsize for t in trees for x in jax.tree.leaves(t) if hasattr(x, "dtype")),
+                  default=0)
+    return int(largest // 10**9) + 1
+
+def checkpoint_manager(directory, *, max_to_keep: int | None = None,
+                       save_concurrent_gb: int | None = None) -> ocp.CheckpointManager:
+    "A synchronous Orbax manager over `directory` (created if needed); with `max_to_keep`, older steps beyond it are deleted now and after each save; with `save_concurrent_gb`, a save holds at most that many GB in flight."
     opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False)
-    mgr = ocp.CheckpointManager(Path(directory).absolute(), options=opts)
+    handlers = {}
+    if save_concurrent_gb is not None:
+        arrays = lambda: ocp.StandardCheckpointHandler(save_concurrent_gb=save_concurrent_gb)
+        handlers = dict(item_handlers=dict(params=arrays(), opt_state=arrays(), meta=ocp.JsonCheckpointHandler()))
+    mgr = ocp.CheckpointManager(Path(directory).absolute(), options=opts, **handlers)
     if max_to_keep is not None:
         for s in sorted(mgr.all_steps())[:-max_to_keep]: mgr.delete(s)
     return mgr
@@ -344,7 +356,9 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
 
 def _write_run(model: Decoder, out_dir: Path, source: str, tokenizer_src: Path | None = None) -> Path:
     "`out_dir` as a maxpost run holding `model`: checkpoints/0, model_config.json, tokenizer/."
-    save_state(checkpoint_manager(out_dir / "checkpoints"), 0, nnx.state(model, nnx.Param), meta={"source": source})
+    params = nnx.state(model, nnx.Param)
+    mgr = checkpoint_manager(out_dir / "checkpoints", save_concurrent_gb=save_limit_gb(params))
+    save_state(mgr, 0, params, meta={"source": source})
     if jax.process_index() == 0:
         (out_dir / "model_config.json").write_text(json.dumps(dataclasses.asdict(model.cfg), indent=1))
         if tokenizer_src is not None: _copy_tokenizer(Path(tokenizer_src), out_dir / "tokenizer")

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from .config import RunConfig, TrainConfig, ConfigError, load_config, run_dir, to_yaml
 from . import sharding, tasks, model as mm
-from .checkpoint import checkpoint_manager, save_state, restore_state
+from .checkpoint import checkpoint_manager, save_limit_gb, save_state, restore_state
 
 # %% auto 0
 __all__ = ['LR_SCHEDULES', 'RESUMABLE_KEYS', 'PEAK_BF16_FLOPS', 'REMAT_CHOICES', 'make_run_mesh', 'model_options',
@@ -371,9 +371,10 @@ def precheck_run_dir(cfg: RunConfig) -> None:
 # %% ../nbs/08_train.ipynb
 class RunCheckpoints:
     "Orbax checkpoints of one run under `{run_dir}/checkpoints`, plus the files that describe the run."
-    def __init__(self, cfg: RunConfig, model_cfg, tokenizer_src: Path | None):
+    def __init__(self, cfg: RunConfig, model_cfg, tokenizer_src: Path | None, *, save_concurrent_gb: int | None = None):
         self.dir, self.primary = run_dir(cfg), jax.process_index() == 0
-        self.mgr = checkpoint_manager(self.dir / "checkpoints", max_to_keep=cfg.max_checkpoints_to_keep)
+        self.mgr = checkpoint_manager(self.dir / "checkpoints", max_to_keep=cfg.max_checkpoints_to_keep,
+                                      save_concurrent_gb=save_concurrent_gb)
         step = self.latest_step()
         if not self.primary: return
         arch = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in model_options(cfg)}
@@ -654,7 +655,7 @@ def _export_hf(tr: Trainer) -> None:
 def _fit(tr: Trainer, progress: bool) -> dict:
     "The loop of `Trainer.fit` (inside the run lock)."
     cfg, where = tr.cfg, run_dir(tr.cfg) / "checkpoints"
-    ckpts = RunCheckpoints(cfg, tr.model_cfg, tr.tok_dir)
+    ckpts = RunCheckpoints(cfg, tr.model_cfg, tr.tok_dir, save_concurrent_gb=save_limit_gb(tr.params, tr.opt_state))
     _resume(tr, ckpts)
     log = MetricsLogger(run_dir(cfg), cfg.steps, tr.step, desc=f"{tr.kind} {cfg.run_name}", progress=progress)
     meta = lambda: {"data": tr.data_state(), "seed": cfg.seed, **({"lora_base": tr.lora_base} if tr.lora_base else {})}
