@@ -15,8 +15,8 @@ Three tables (bench/README.md, "Memory"), each measurement in its own subprocess
   `--min-free-gb` (default 18) GB available, and runs one such process at a time; the compile drivers of the other
   tables, if running, wait meanwhile (the pause file).
 
-Not written yet: `speed` (the maxpost rows of bench/sft_throughput.py, rollout.py and grpo_step.py for two
-checkouts, interleaved rounds).
+The speed side (maxpost's 20M rows of bench/sft_throughput.py, rollout.py and grpo_step.py for two checkouts,
+interleaved rounds) is bench/speed.py.
 
 Each driver appends every record to bench/results/memory_{presets,growth,real}.json as soon as it is measured and
 skips what is already there (`--fresh` measures anew), so an interrupted table resumes; it writes the markdown
