@@ -182,8 +182,11 @@ def load_avg() -> str:
 
 
 def run_worker(script: str, args: list[str], *, python: str = PY, extra_path: str | None = None,
-               timeout: float = 900, own_threads: bool = False) -> dict:
+               timeout: float = 900, own_threads: bool = False, checkout: Path | None = None) -> dict:
     """Launch `python script --worker ... args` in a fresh process; its BENCH_RESULT record, or an error record.
+
+    `checkout`: run that checkout's own `bench/script`, from its root, with its package first on the path (to compare
+    two versions of maxpost, each with the API it has).
 
     `own_threads`: leave the OpenMP / MKL thread counts unset, for an engine that places its own threads (vLLM's CPU
     backend binds one OpenMP thread per core itself; with OMP_NUM_THREADS forced to the core count its threads
@@ -192,10 +195,12 @@ def run_worker(script: str, args: list[str], *, python: str = PY, extra_path: st
     if own_threads:
         for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"): env.pop(k, None)
     if extra_path: env["PYTHONPATH"] = extra_path + os.pathsep + env["PYTHONPATH"]
-    cmd = [python, str(Path(__file__).parent / script), *args]
+    if checkout: env["PYTHONPATH"] = str(checkout) + os.pathsep + env["PYTHONPATH"]
+    root = Path(checkout) if checkout else ROOT
+    cmd = [python, str(root / "bench" / script), *args]
     t0 = time.perf_counter()
     try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=str(root))
     except subprocess.TimeoutExpired:
         return {"error": f"timeout after {timeout}s", "cmd": " ".join(args)}
     for line in reversed(p.stdout.splitlines()):

@@ -10,7 +10,7 @@ Ratios are after / before of the time (median over rounds of the per-round ratio
     python bench/speed.py --before ../maxpost-before --report     # the table from bench/results/speed_20m.json
 """
 from __future__ import annotations
-import argparse, json, subprocess, sys, time
+import argparse, json, sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
@@ -27,18 +27,9 @@ ROWS = {   # name: (script, worker args, seconds of one measurement from the wor
 
 
 def run_row(checkout: Path, row: str) -> dict:
-    "The maxpost worker of `checkout`'s bench script for `row`, with that checkout's package first on the path."
+    "The maxpost worker of `checkout`'s own bench script for `row`."
     script, args, _ = ROWS[row]
-    env = common.thread_env()
-    env["PYTHONPATH"] = f"{checkout}:{env['PYTHONPATH']}"
-    t0 = time.perf_counter()
-    p = subprocess.run([common.PY, str(checkout / "bench" / script), "--worker", "maxpost", *args], env=env,
-                       cwd=str(checkout), capture_output=True, text=True, timeout=1800)
-    for line in reversed(p.stdout.splitlines()):
-        if line.startswith("BENCH_RESULT "):
-            return {**json.loads(line[len("BENCH_RESULT "):]), "process_s": round(time.perf_counter() - t0, 1),
-                    "load_avg_after": common.load_avg()}
-    return {"error": f"exit {p.returncode}", "log_tail": (p.stdout + p.stderr).splitlines()[-15:]}
+    return common.run_worker(script, ["--worker", "maxpost", *args], checkout=checkout, timeout=1800)
 
 
 def main(argv=None) -> int:

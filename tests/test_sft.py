@@ -282,3 +282,20 @@ def test_a_step_that_cannot_fit_is_refused_before_it_runs(tmp_path):
     r = subprocess.run(sft_cmd(tmp_path, "fits", 2), env={**env, "MAXPOST_DEVICE_MEMORY": str(8 << 30)},
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "memory: the SFT step needs" in r.stderr and "of 8.00 GiB" in r.stderr, r.stderr[-2000:]
+
+
+def test_the_run_saves_with_the_limit_of_its_own_state(tmp_path, monkeypatch):
+    """A training run's checkpoint manager bounds what a save holds in flight by its state's largest array
+    (`save_limit_gb`, nbs/03_checkpoint); without it Orbax writes the whole state at once, a second copy in RAM."""
+    import maxpost.train as train_mod
+    from maxpost.checkpoint import save_limit_gb
+    built = []
+    def recording(directory, **kw):
+        built.append((Path(directory), kw.get("save_concurrent_gb")))
+        return checkpoint_manager(directory, **kw)
+    monkeypatch.setattr(train_mod, "checkpoint_manager", recording)
+    cfg = load_config("sft", [f"base_output_directory={tmp_path}", "run_name=lim", "steps=2", *SMALL])
+    train_sft(cfg, progress=False)
+    like = nnx.state(create_model(get_model_config("tiny")), nnx.Param)
+    expected = save_limit_gb(like, make_optimizer(cfg).init(like))
+    assert (run_dir(cfg) / "checkpoints", expected) in built
