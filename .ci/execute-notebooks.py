@@ -33,6 +33,23 @@ def execute_here(path: Path) -> None:
     if shell.exc: raise SystemExit(f"{path.name} failed:\n{shell.prettytb(fname=path)}")
 
 
+def strip_papermill(path: Path, tmp: str, base_output_directory: str) -> None:
+    """Make a notebook papermill executed read as if run where it lies: drop the `injected-parameters` cell (opened in
+    Jupyter it would override the parameters cell), and write the temporary run directory in outputs as the default
+    `maxpost_runs` and the temporary working directory as `.`."""
+    import nbformat
+    nb = nbformat.read(path, as_version=4)
+    nb.cells = [c for c in nb.cells if "injected-parameters" not in c.get("metadata", {}).get("tags", [])]
+    def clean(text: str) -> str:
+        return text.replace(base_output_directory, "maxpost_runs").replace(os.path.realpath(tmp), ".").replace(tmp, ".")
+    for c in nb.cells:
+        for out in c.get("outputs", []):
+            if "text" in out: out["text"] = clean(out["text"])
+            for k, v in out.get("data", {}).items():
+                if k.startswith("text/") and isinstance(v, str): out["data"][k] = clean(v)
+    nbformat.write(nb, path)
+
+
 def execute(path: Path, **parameters) -> None:
     "Run `path` in a fresh process (papermill with `parameters` for the run notebooks and the tutorial)."
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -42,6 +59,7 @@ def execute(path: Path, **parameters) -> None:
             cmd = [sys.executable, "-m", "papermill", str(path), str(path), "--cwd", tmp, "--kernel", "python3",
                    "--no-progress-bar", *[a for k, v in parameters.items() for a in ("-p", k, str(v))]]
             subprocess.run(cmd, check=True, env=env)
+            strip_papermill(path, tmp, parameters["base_output_directory"])
     else:   # a chapter: its 8 virtual devices, with collectives that wait for a starved device thread (tests/conftest.py)
         env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
                        "--xla_cpu_collective_call_terminate_timeout_seconds=900")

@@ -11,8 +11,8 @@ from .model import Decoder, plus_zero, zero_of
 from .sharding import constrain
 
 # %% auto 0
-__all__ = ['LOGITS_CHUNK_SIZE', 'token_logps', 'target_weights', 'sft_loss', 'summarize_metrics', 'split_chunks', 'join_chunks',
-           'chunk_length', 'chunked_sft_loss', 'model_sft_loss']
+__all__ = ['LOGITS_CHUNK_SIZE', 'token_logps', 'target_weights', 'is_top1', 'sft_loss', 'summarize_metrics', 'split_chunks',
+           'join_chunks', 'chunk_length', 'chunked_sft_loss', 'model_sft_loss']
 
 # %% ../nbs/07_sft_loss.ipynb
 def token_logps(logits_btv: jax.Array, tokens_bt: jax.Array) -> jax.Array:
@@ -27,6 +27,13 @@ def target_weights(batch: dict) -> jax.Array:
     seg = jnp.asarray(batch["segment_ids"])
     same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
     return (jnp.asarray(batch["loss_mask"])[:, 1:] > 0).astype(jnp.float32) * same.astype(jnp.float32)
+
+# %% ../nbs/07_sft_loss.ipynb
+def is_top1(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
+    "Whether each target's logit is strictly above every other logit of its row (ties are wrong), as float32 [B,T]."
+    picked_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
+    others = jnp.where(jnp.arange(logits_btv.shape[-1]) == targets_bt[..., None], -jnp.inf, logits_btv)
+    return (picked_bt > others.max(-1)).astype(jnp.float32)
 
 # %% ../nbs/07_sft_loss.ipynb
 def sft_loss(logits_btv: jax.Array, batch: dict, *, num_loss_tokens=None, z_loss: float = 0.0
@@ -47,7 +54,7 @@ def sft_loss(logits_btv: jax.Array, batch: dict, *, num_loss_tokens=None, z_loss
     nll_sum = -jnp.where(keep, w_bt * logp_bt, 0.0).sum()
     z_sum = jnp.where(keep, w_bt * jnp.square(lse_bt), 0.0).sum()
     loss = (nll_sum + z_loss * z_sum) / denom
-    correct = (picked_bt >= jnp.max(logits_btv, axis=-1)).astype(jnp.float32)   # no argmax pass (see above)
+    correct = is_top1(logits_btv, targets_bt)                 # ties are wrong (see above)
     metrics = {"loss": loss, "nll_sum": nll_sum, "z_loss_sum": z_sum,
                "num_correct": jnp.where(keep, w_bt * correct, 0.0).sum(), "num_loss_tokens": count}
     return loss, metrics
@@ -89,7 +96,7 @@ def _ce_chunk(h_btd, w_vd, targets_bt, weights_bt, z_loss: float, with_grad: boo
     keep = weights_bt > 0
     total = lambda x: jnp.where(keep, weights_bt * x, 0.0).sum()
     sums = jnp.stack([total(lse_bt - picked_bt), total(jnp.square(lse_bt)),
-                      total((picked_bt >= z_btv.max(-1)).astype(jnp.float32))])
+                      total(is_top1(z_btv, targets_bt))])
     if not with_grad: return sums, None, None
     p_btv = jnp.exp(z_btv - lse_bt[..., None])
     dz_btv = p_btv * (1.0 + 2.0 * z_loss * lse_bt)[..., None] - (jnp.arange(z_btv.shape[-1]) == targets_bt[..., None])

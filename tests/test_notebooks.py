@@ -18,3 +18,40 @@ def test_notebook(nb):
     r = subprocess.run([str(exe), "--path", str(nb.relative_to(ROOT / "nbs")), "--n_workers", "0"],
                        cwd=ROOT / "nbs", capture_output=True, text=True, timeout=900, env=os.environ.copy())
     assert r.returncode == 0, f"{nb.name} failed:\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}"
+
+
+# ---- the papermill notebooks (nbs/runs/, nbs/tutorials/) as committed
+
+import ast, json, re
+
+PAPERMILL_NBS = sorted((ROOT / "nbs" / "runs").glob("*.ipynb")) + sorted((ROOT / "nbs" / "tutorials").glob("*.ipynb"))
+
+
+def _cells(nb):
+    return json.loads(nb.read_text())["cells"]
+
+
+@pytest.mark.parametrize("nb", PAPERMILL_NBS, ids=[p.stem for p in PAPERMILL_NBS])
+def test_papermill_notebook_is_committed_clean(nb):
+    """No `injected-parameters` cell (opened in Jupyter it would override the parameters cell) and no temporary
+    directory of the machine that executed it in the outputs (.ci/execute-notebooks.py strips both)."""
+    cells = _cells(nb)
+    assert not [c for c in cells if "injected-parameters" in c["metadata"].get("tags", [])], \
+        f"{nb.name} holds papermill's injected-parameters cell"
+    outputs = json.dumps([c.get("outputs", []) for c in cells if c["cell_type"] == "code"])
+    assert not re.findall(r"/tmp/tmp\w+", outputs), f"{nb.name}'s outputs name a temporary directory"
+
+
+@pytest.mark.parametrize("nb", PAPERMILL_NBS, ids=[p.stem for p in PAPERMILL_NBS])
+def test_papermill_reads_every_parameter(nb, caplog):
+    """papermill finds every name the parameters cell assigns (found here by Python's own parser), with no line it
+    cannot parse: a parameter it cannot read is reported as unknown when a user passes it with -p."""
+    import logging, papermill
+    cell = next(c for c in _cells(nb) if "parameters" in c["metadata"].get("tags", []))
+    assigned = [t.id for node in ast.parse("".join(cell["source"])).body if isinstance(node, ast.Assign)
+                for t in node.targets if isinstance(t, ast.Name)]
+    with caplog.at_level(logging.WARNING, logger="papermill"):
+        found = papermill.inspect_notebook(str(nb))
+    assert not [r for r in caplog.records if "Unable to parse" in r.getMessage()], \
+        [r.getMessage() for r in caplog.records]
+    assert list(found) == assigned

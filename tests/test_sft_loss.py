@@ -20,7 +20,7 @@ def _naive(logits, batch, num_loss_tokens=None, z_loss=0.0):
                 nll += lse - row[tok[b, t]]
                 zs += lse**2
                 n += 1
-                correct += int(np.argmax(row) == tok[b, t])
+                correct += int(row[tok[b, t]] > np.delete(row, tok[b, t]).max())   # strictly the largest: ties are wrong
     denom = max(n if num_loss_tokens is None else num_loss_tokens, 1)
     return (nll + z_loss * zs) / denom, correct, n
 
@@ -247,3 +247,37 @@ def test_chunked_sft_loss_on_8_devices_equals_1():
 
 def test_default_chunk_size_is_on():
     assert LOGITS_CHUNK_SIZE > 0
+
+
+def test_ties_are_not_counted_as_correct():
+    """A collapsed model (every logit equal) predicts nothing: token accuracy 0, on the logits path and the chunked
+    path; logits of small integers (many ties) count as the naive strict-maximum loop counts them."""
+    rng = np.random.default_rng(0)
+    batch = _sft_batch(rng, 3, 10, 7)
+    n = float(target_weights(batch).sum())
+    assert n > 0
+    _, m = sft_loss(jnp.zeros((3, 10, 7)), batch)
+    assert float(m["num_correct"]) == 0.0 and float(summarize_metrics(m)["mean_token_accuracy"]) == 0.0
+    _, mc = chunked_sft_loss(jnp.zeros((3, 10, 5)), jnp.ones((7, 5)), batch, chunk_size=4)   # all logits equal
+    assert float(mc["num_correct"]) == 0.0
+    logits = rng.integers(0, 3, (3, 10, 7)).astype(np.float32)
+    _, m = sft_loss(jnp.asarray(logits), batch)
+    assert float(m["num_correct"]) == _naive(logits, batch)[1]
+
+
+@pytest.mark.parametrize("chunk_size", [8, 16, 24])
+def test_chunked_loss_counts_the_last_partial_chunk(chunk_size):
+    """Every position counts when the positions do not fill the last chunk and that chunk holds loss tokens (one
+    segment per row, no padding, every token a target): the chunked sums equal the naive loop's, for 2, 4 and 6
+    positions a chunk of 4 rows over 15 positions: last chunks of 1, 3 and 3 positions."""
+    rng = np.random.default_rng(1)
+    B, L, D, V = 4, 16, 8, 11
+    tokens = rng.integers(0, V, (B, L)).astype(np.int32)
+    batch = {"tokens": tokens, "segment_ids": np.ones((B, L), np.int32), "loss_mask": np.ones((B, L), np.int32)}
+    h = rng.normal(size=(B, L - 1, D)).astype(np.float32)
+    w = rng.normal(size=(V, D)).astype(np.float32)
+    loss, m = chunked_sft_loss(jnp.asarray(h), jnp.asarray(w), batch, chunk_size=chunk_size)
+    ref, correct, count = _naive(h @ w.T, batch)
+    assert count == B * (L - 1) and float(m["num_loss_tokens"]) == count
+    np.testing.assert_allclose(float(loss), ref, rtol=1e-5)
+    assert float(m["num_correct"]) == correct
