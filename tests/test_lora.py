@@ -195,3 +195,19 @@ def test_config_errors_name_the_fix(tmp_path):
         load_config("sft", [*base, "lora_rank=8", "lora_dropout=0.1"])
     with pytest.raises(ConfigError, match="needs adapters: set lora_rank"):
         load_config("sft", [*base, "load_adapter_path=/tmp/a"])
+
+
+def test_fresh_adapters_leave_the_model_unchanged():
+    """A freshly attached adapter is a zero update (B = 0, as in the LoRA paper and peft): the adapted model's logits
+    equal the base's exactly, and training starts from the base's behaviour; A is not zero (else B would get no
+    gradient)."""
+    cfg = get_model_config("tiny", num_layers=2, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=48,
+                           vocab_size=64)
+    tok = jnp.asarray(TOKENS % 64)
+    base = np.asarray(create_model(cfg, seed=0)(tok))
+    model = add_lora(create_model(cfg, seed=0), rank=4, alpha=8.0)
+    np.testing.assert_array_equal(np.asarray(model(tok)), base)
+    for layer in model.layers:
+        for n in LORA_TARGETS:
+            lora = getattr(getattr(layer, "attn" if n in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"), f"{n}_lora")
+            assert not np.asarray(lora.b[...]).any() and np.asarray(lora.a[...]).any(), n
