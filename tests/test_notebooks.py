@@ -55,3 +55,16 @@ def test_papermill_reads_every_parameter(nb, caplog):
     assert not [r for r in caplog.records if "Unable to parse" in r.getMessage()], \
         [r.getMessage() for r in caplog.records]
     assert list(found) == assigned
+
+
+@pytest.mark.parametrize("nb", ["sft", "rl"])
+def test_a_misspelt_papermill_parameter_stops_the_run(nb, tmp_path):
+    """`-p stepz 3` is not papermill's warning and a run with the defaults: the run notebook stops before training,
+    with the configuration's error naming the key it resembles."""
+    import papermill
+    with pytest.raises(papermill.PapermillExecutionError) as e:
+        papermill.execute_notebook(str(ROOT / "nbs" / "runs" / f"{nb}.ipynb"), str(tmp_path / "out.ipynb"),
+                                   parameters={"stepz": 3, "base_output_directory": str(tmp_path / "runs")},
+                                   cwd=str(tmp_path), kernel_name="python3", progress_bar=False)
+    assert e.value.ename == "ConfigError" and "unknown key 'stepz'" in e.value.evalue and "'steps'" in e.value.evalue
+    assert not (tmp_path / "runs").exists()      # nothing was trained or written
