@@ -83,8 +83,9 @@ def policy_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | Non
                 ref_per_token_logps: jax.Array | None, advantages: jax.Array, completion_mask: jax.Array, *,
                 loss_algo: str = "grpo", epsilon_low: float = 0.2, epsilon_high: float = 0.28, beta: float = 0.0,
                 kl_estimator: str = "k3", loss_agg_mode: str = "token-mean",
-                max_completion_length: int | None = None, num_tokens=None, num_sequences=None) -> tuple[jax.Array, dict]:
-    "Clipped GRPO / GSPO / GSPO-token surrogate plus beta * KL to the reference, aggregated per `loss_agg_mode`."
+                max_completion_length: int | None = None, num_tokens=None, num_sequences=None,
+                importance_weights: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    "Clipped GRPO / GSPO / GSPO-token surrogate (each token's term times `importance_weights`, if given: no gradient) plus beta * KL to the reference, aggregated per `loss_agg_mode`."
     _check("loss_algo", loss_algo, LOSS_ALGOS); _check("kl_estimator", kl_estimator, KL_ESTIMATORS)
     mode = _canonical_agg_mode(loss_agg_mode)
     if loss_algo == "gspo" and mode != "sequence-mean-token-mean":
@@ -101,7 +102,10 @@ def policy_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | Non
     unclipped = -adv_bt * ratio
     clipped = -adv_bt * jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
     agg = dict(max_completion_length=max_completion_length, num_tokens=num_tokens, num_sequences=num_sequences)
-    pg_loss = aggregate_loss(jnp.maximum(unclipped, clipped), mask, mode, **agg)
+    per_token = jnp.maximum(unclipped, clipped)
+    if importance_weights is not None:   # the sampler correction (chapter 12c): a weight, not a path for gradients
+        per_token = per_token * jax.lax.stop_gradient(jnp.asarray(importance_weights, jnp.float32))
+    pg_loss = aggregate_loss(per_token, mask, mode, **agg)
     n_tokens = jnp.maximum(mask.sum() if num_tokens is None else jnp.asarray(num_tokens, jnp.float32), 1.0)
     token_mean = lambda x: jnp.where(valid, x, 0.0).sum() / n_tokens
     is_clipped = clipped > unclipped

@@ -1,0 +1,90 @@
+"""maxpost.sampler_correction against NumPy re-implementations of TRL's four importance-sampling modes (as TRL's
+GRPOTrainer documents and computes them) and of the decoupled PPO loss with truncated token weights (verl's TIS /
+AReaL's decoupled objective), on identical tensors."""
+import jax, jax.numpy as jnp, numpy as np, pytest
+
+from maxpost.policy_loss import policy_loss
+from maxpost.sampler_correction import importance_weights, IMPORTANCE_SAMPLING_MODES
+
+
+def _trl_weights(old, sampler, mask, mode, cmax, cmin):
+    "TRL's recipe, in float64: d = (old - sampler) * mask with NaN -> 0; summed per row for sequence modes; exp; clamp or zero outside the bounds."
+    d = np.nan_to_num((old - sampler) * mask, nan=0.0)
+    if mode.startswith("sequence"): d = d.sum(-1, keepdims=True)
+    r = np.exp(d)
+    lo = -np.inf if cmin is None else cmin
+    hi = np.inf if cmax is None else cmax
+    r = np.clip(r, lo, hi) if mode.endswith("truncate") else np.where((r < lo) | (r > hi), 0.0, r)
+    return np.broadcast_to(r, old.shape)
+
+
+def _tensors(seed, B=6, T=9, sigma=0.4):
+    rng = np.random.default_rng(seed)
+    old = rng.normal(-1.5, 0.7, (B, T))
+    sampler = old + rng.normal(0, sigma, (B, T))
+    sampler[0, 2] = np.nan                                   # a token the engine could not score
+    mask = (np.arange(T)[None] < rng.integers(1, T + 1, (B, 1))).astype(np.float32)
+    mask[0, :3] = 1
+    return old, sampler, mask
+
+
+@pytest.mark.parametrize("mode", [m for m in IMPORTANCE_SAMPLING_MODES if m != "none"])
+@pytest.mark.parametrize("cmax,cmin", [(3.0, None), (2.0, 0.5), (1.2, 0.9)])
+def test_weights_equal_trls_recipe(mode, cmax, cmin):
+    old, sampler, mask = _tensors(0)
+    ours, _ = importance_weights(jnp.asarray(old), jnp.asarray(sampler), jnp.asarray(mask), mode, cmax, cmin)
+    ref = _trl_weights(old, sampler, mask, mode, cmax, cmin)
+    valid = mask > 0
+    np.testing.assert_allclose(np.asarray(ours)[valid], ref[valid], rtol=1e-5)
+
+
+def test_metrics_are_trls():
+    "sampling_logp_difference over scored tokens (NaN excluded); ratio min/mean/max over tokens (token modes) or sequences."
+    old, sampler, mask = _tensors(1, sigma=0.2)
+    known = (mask > 0) & ~np.isnan(sampler)
+    delta = np.abs(old - sampler)[known]
+    for mode in ("token_truncate", "sequence_mask"):
+        _, m = importance_weights(jnp.asarray(old), jnp.asarray(sampler), jnp.asarray(mask), mode, 3.0)
+        np.testing.assert_allclose(float(m["sampling/sampling_logp_difference/mean"]), delta.mean(), rtol=1e-5)
+        np.testing.assert_allclose(float(m["sampling/sampling_logp_difference/max"]), delta.max(), rtol=1e-5)
+        r = _trl_weights(old, sampler, mask, mode, 3.0, None)
+        flat = r[:, 0] if mode.startswith("sequence") else r[mask > 0]
+        for k, f in (("min", np.min), ("mean", np.mean), ("max", np.max)):
+            np.testing.assert_allclose(float(m[f"sampling/importance_sampling_ratio/{k}"]), f(flat), rtol=1e-5)
+
+
+def test_a_healthy_sampler_shows_a_small_difference_and_stale_weights_a_large_one():
+    """The metric tells the two apart: an engine whose log-probs differ by rounding (sigma 0.01) against a sampler one
+    update stale (sigma 0.2): TRL's issue 5312 saw 0.010-0.018 healthy and 0.201 with the stale-weights bug."""
+    small = importance_weights(*[jnp.asarray(x) for x in _tensors(2, sigma=0.015)], "token_truncate")[1]
+    large = importance_weights(*[jnp.asarray(x) for x in _tensors(2, sigma=0.25)], "token_truncate")[1]
+    assert float(small["sampling/sampling_logp_difference/mean"]) < 0.02 < 0.15 < float(large["sampling/sampling_logp_difference/mean"])
+
+
+def test_decoupled_loss_equals_the_formula():
+    """verl / AReaL decoupled PPO: ratio pi_theta / pi_prox clipped, times min(pi_prox / mu, C) with no gradient,
+    token-mean: maxpost's policy_loss with token_truncate weights gives the same value and gradient."""
+    rng = np.random.default_rng(4)
+    B, T, C = 5, 7, 2.0
+    prox = rng.normal(-1.2, 0.5, (B, T)); mu = prox + rng.normal(0, 0.5, (B, T))
+    lp = prox + rng.normal(0, 0.15, (B, T)); adv = rng.normal(size=B)
+    mask = (rng.random((B, T)) < 0.85).astype(np.float32); mask[:, 0] = 1
+
+    def naive(lp):
+        r = jnp.exp(lp - prox)
+        w = np.minimum(np.exp(prox - mu), C)
+        term = jnp.maximum(-adv[:, None] * r, -adv[:, None] * jnp.clip(r, 0.8, 1.28)) * w
+        return (term * mask).sum() / mask.sum()
+
+    w, _ = importance_weights(jnp.asarray(prox), jnp.asarray(mu), jnp.asarray(mask), "token_truncate", clip_max=C)
+    ours = lambda lp: policy_loss(lp, jnp.asarray(prox), None, jnp.asarray(adv), jnp.asarray(mask), importance_weights=w)[0]
+    np.testing.assert_allclose(float(ours(jnp.asarray(lp))), float(naive(jnp.asarray(lp))), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(jax.grad(ours)(jnp.asarray(lp))), np.asarray(jax.grad(naive)(jnp.asarray(lp))),
+                               rtol=1e-4, atol=1e-7)
+
+
+def test_the_weights_carry_no_gradient():
+    old, sampler, mask = _tensors(5)
+    for mode in IMPORTANCE_SAMPLING_MODES:
+        g = jax.grad(lambda o: importance_weights(o, jnp.asarray(sampler), jnp.asarray(mask), mode)[0].sum())(jnp.asarray(old))
+        assert not np.asarray(g).any(), mode
