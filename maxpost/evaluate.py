@@ -4,7 +4,7 @@
 
 # %% ../nbs/14_evaluate.ipynb 4
 from __future__ import annotations
-import dataclasses, json, os
+import dataclasses, hashlib, json, os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -191,13 +191,25 @@ def _label(path: str) -> str:
     return f"{p.parent.parent.name}@{p.name}" if p.parent.name == "checkpoints" else p.name
 
 # %% ../nbs/14_evaluate.ipynb
+def _recorded_checkpoint(d: Path) -> Path | None:
+    "The checkpoint whose evaluation `d/eval.json` holds (resolved), if it holds one."
+    try: return Path(os.path.expanduser(json.loads((d / "eval.json").read_text())["load_parameters_path"])).resolve()
+    except (OSError, ValueError, KeyError, TypeError): return None
+
 def eval_dir(cfg: RunConfig) -> Path:
-    "Where `maxpost eval` writes: `run_dir(cfg)`, or `eval-<checkpoint>` beside it when `run_name` is empty; never a training run."
-    d = run_dir(dataclasses.replace(cfg, run_name=cfg.run_name or f"eval-{_label(cfg.load_parameters_path)}"))
+    "Where `maxpost eval` writes: `run_dir(cfg)`, or `eval-<checkpoint>` beside it when `run_name` is empty (with a suffix when another checkpoint of that name was evaluated there); never a training run."
+    name = cfg.run_name or f"eval-{_label(cfg.load_parameters_path)}"
+    d = run_dir(dataclasses.replace(cfg, run_name=name))
     if (d / "checkpoints").exists():
         raise ConfigError(f"run_name={d.name!r} is a training run's directory ({d}); maxpost eval writes its results "
                           "into a directory of its own: leave run_name empty or choose a new one")
-    return d
+    this, there = Path(os.path.expanduser(cfg.load_parameters_path)).resolve(), _recorded_checkpoint(d)
+    if there is None or there == this: return d
+    if cfg.run_name:
+        raise ConfigError(f"run_name={name!r} holds the evaluation of another checkpoint ({there}); choose another "
+                          "run_name, or leave it empty for a directory of this checkpoint's own")
+    digest = hashlib.sha1(str(this).encode()).hexdigest()[:8]     # the same checkpoint always lands in the same place
+    return run_dir(dataclasses.replace(cfg, run_name=f"{name}-{digest}"))
 
 # %% ../nbs/14_evaluate.ipynb
 def run_evaluation(cfg: RunConfig, *, progress: bool = False) -> dict:

@@ -308,6 +308,17 @@ def test_cli_eval_on_a_short_sft_run(tmp_path):
     # the embedded examples loaded in-process from the same place agree
     ex = load_eval_examples(_cfg(tmp_path, "eval_num_prompts=8", "eval_split=test"))
     assert [e["question"] for e in ex] == [c["question"] for c in comps]
+    # another checkpoint whose directory has the same name: its evaluation lands beside the first, which stays
+    import shutil
+    shutil.copytree(tmp_path / "sft", tmp_path / "copy" / "sft")
+    args2 = [a.replace(str(tmp_path / "sft"), str(tmp_path / "copy" / "sft")) for a in args]
+    r = subprocess.run(_cmd("eval", "maxpost.evaluate") + args2, env=env, capture_output=True, text=True, timeout=900,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = {p.parent.name: json.loads(p.read_text())["load_parameters_path"] for p in tmp_path.glob("eval-sft*/eval.json")}
+    assert recs.get("eval-sft") == str(tmp_path / "sft") and len(recs) == 2, recs
+    other = next(k for k in recs if k != "eval-sft")
+    assert recs[other] == str(tmp_path / "copy" / "sft") and f"{other}/eval.json" in r.stdout, (recs, r.stdout[-500:])
 
 
 def test_eval_writes_into_its_own_directory_never_a_training_run(tmp_path):
