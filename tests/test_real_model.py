@@ -61,7 +61,8 @@ SHORT_ANSWERS = ["What is the capital of France?", "What is 12 plus 30?", "Is wa
 
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread():
-    "torch's threads spin-wait: next to JAX's thread pool and another xdist worker on 2 cores, 1 thread runs ~5x faster."
+    """torch's threads spin-wait: next to JAX's thread pool and another xdist worker on 2 cores, 1 thread runs ~5x
+    faster. Module scope, as every fixture below that runs torch, so that it is set before they run."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -73,28 +74,28 @@ def smol_dir():
     return real_model_setup.build_smollm2(real_model_setup.DEFAULT_DEST)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def hf_tok(smol_dir):
     "The reference tokenizer, loaded by transformers itself."
     return transformers.AutoTokenizer.from_pretrained(smol_dir)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tok(smol_dir):
     return load_tokenizer(smol_dir)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def hf(smol_dir):
     return transformers.AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def model(smol_dir):
     return load_hf(smol_dir)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def forward():
     return nnx.jit(lambda m, tokens, positions, segment_ids: m(tokens, positions, segment_ids))
 
@@ -123,15 +124,16 @@ def hf_logits(hf, ids, mask, positions) -> np.ndarray:
                   position_ids=torch.tensor(positions, dtype=torch.long)).logits.float().numpy()
 
 
-def hf_greedy(hf, prompts, pad_id, new_tokens=MAX_NEW) -> np.ndarray:
-    "transformers' greedy continuations [N, new_tokens] of left-padded `prompts` (no stop token: cut them yourself)."
+def hf_greedy(hf, prompts, pad_id, stop_id, new_tokens=MAX_NEW) -> np.ndarray:
+    "transformers' greedy continuations [N, new_tokens] of left-padded `prompts`, each row `pad_id` after `stop_id`."
     ids, mask, _ = pad(prompts, max(map(len, prompts)), "left", pad_id)
-    gc = transformers.GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                       eos_token_id=None, pad_token_id=pad_id)
+    gc = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=stop_id,
+                                       pad_token_id=pad_id)
     with torch.no_grad():   # the mask is explicit: the prompts hold <|im_end|>, which is also the pad token
         out = hf.generate(input_ids=torch.tensor(ids, dtype=torch.long),
                           attention_mask=torch.tensor(mask, dtype=torch.long), generation_config=gc)
-    return out[:, ids.shape[1]:].numpy()
+    out = out[:, ids.shape[1]:].numpy()
+    return np.pad(out, ((0, 0), (0, new_tokens - out.shape[1])), constant_values=pad_id)
 
 
 def hf_completion_logps(hf, rollout, temperature) -> np.ndarray:
@@ -146,10 +148,11 @@ def hf_completion_logps(hf, rollout, temperature) -> np.ndarray:
     return out
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def greedy_references(hf, hf_tok):
     "transformers' greedy continuations of LONG_ANSWERS and SHORT_ANSWERS, one generate call."
-    out = hf_greedy(hf, user_prompts(hf_tok, LONG_ANSWERS + SHORT_ANSWERS), hf_tok.pad_token_id)
+    out = hf_greedy(hf, user_prompts(hf_tok, LONG_ANSWERS + SHORT_ANSWERS), hf_tok.pad_token_id,
+                    hf_tok.convert_tokens_to_ids(END_OF_TURN))
     return out[:len(LONG_ANSWERS)], out[len(LONG_ANSWERS):]
 
 
@@ -200,6 +203,7 @@ def test_greedy_generation_matches_transformers(model, hf_tok, greedy_references
     r = generate(model, prompts, max_prompt_length=MAX_PROMPT, max_completion_length=MAX_NEW, temperature=0.0,
                  eos_ids=(), pad_id=hf_tok.pad_token_id)
     want = greedy_references[0]
+    assert not (want == hf_tok.convert_tokens_to_ids(END_OF_TURN)).any()   # 48 tokens of answer, none stopped early
     for i, (g, w) in enumerate(zip(r.completion_ids, want)):
         k = int(np.argmin(g == w)) if (g != w).any() else len(w)
         assert k == len(w), f"prompt {i} diverges at token {k}: {hf_tok.decode(w[:k + 1])!r} vs {hf_tok.decode(g[:k + 1])!r}"
@@ -208,7 +212,7 @@ def test_greedy_generation_matches_transformers(model, hf_tok, greedy_references
 
 # ---- c. log-probs of sampled completions ----
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def logps_fn():
     return nnx.jit(lambda m, pi, pm, ci, cm, t: completion_logps(m, pi, pm, ci, cm, t, num_generations=2))
 
