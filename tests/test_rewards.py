@@ -85,8 +85,9 @@ def test_answers_match(pred, gold, expected):
     assert answers_match(pred, gold) is expected
 
 def test_math_verify_path_is_guarded(monkeypatch):
-    # Not installed here: text fallback. With a (fake) math_verify, non-numeric answers go to it; numbers never do.
-    assert "math_verify" not in sys.modules
+    # Not installed (None in sys.modules makes the import fail): text fallback. With a (fake) math_verify,
+    # non-numeric answers go to it; numbers never do.
+    monkeypatch.setitem(sys.modules, "math_verify", None)
     assert not answers_match(r"\sqrt{2}", r"2^{1/2}")
     calls = []
     fake = types.SimpleNamespace(parse=lambda s: s, verify=lambda g, p: calls.append((g, p)) or True)
