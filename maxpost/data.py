@@ -165,8 +165,11 @@ def _select(splits: dict, split: str):
 
 def load_dataset_split(name_or_path: str | Path, split: str = "train", *, dataset_config: str = "",
                        data_files: str | Sequence[str] | dict | None = None):
-    "One split of a dataset: a hub name, a local directory, or jsonl/json/parquet/csv file(s); an unknown split is an error."
+    "One split of a dataset: a hub name, a local directory, jsonl/json/parquet/csv file(s) or `reasoning_gym:<task>`; an unknown split is an error."
     import datasets
+    if str(name_or_path).startswith("reasoning_gym:"):        # a reasoning-gym task, generated (chapter 13b)
+        from maxpost.reasoning_gym import load_reasoning_gym, task_of
+        return load_reasoning_gym(task_of(name_or_path), split, dataset_config)
     names = list(dict.fromkeys(n for n, _ in _split_parts(split)))
     p, files = Path(name_or_path), _file_splits(name_or_path, data_files)
     if files is not None:                                    # local files: their splits are known before reading

@@ -15,11 +15,16 @@ __all__ = ['PROMPT_TEMPLATES', 'END_OF_TURN_TOKENS', 'template_messages', 'rende
 PROMPT_TEMPLATES: dict[str, str | None] = {
     "gsm8k": tasks.SYSTEM_PROMPT,   # system: reason in <reasoning>, answer in <answer>; user: the question
     "question": None,               # the question alone as the user turn
+    # for instruct models: the question, then how to end the reply (a user turn; the model's own system prompt)
+    "plain": '{question}\nSolve it step by step, then end with the line "The answer is N." where N is the final answer.',
+    "boxed": "{question}\nPlease reason step by step, and put your final answer within \\boxed{}.",
 }
 
 def template_messages(question: str, template: str = "gsm8k") -> list[dict]:
     "Chat messages for `question`: a built-in template name (system prompt + question) or a string with `{question}`."
-    if template in PROMPT_TEMPLATES: return tasks.prompt_messages(question, PROMPT_TEMPLATES[template])
+    if template in PROMPT_TEMPLATES and "{question}" not in (PROMPT_TEMPLATES[template] or ""):
+        return tasks.prompt_messages(question, PROMPT_TEMPLATES[template])
+    template = PROMPT_TEMPLATES.get(template, template)
     if "{question}" not in template:
         raise ValueError(f"prompt_template={template!r} is neither a built-in template ({', '.join(PROMPT_TEMPLATES)}) "
                          "nor a string containing {question}")

@@ -85,8 +85,9 @@ def test_answers_match(pred, gold, expected):
     assert answers_match(pred, gold) is expected
 
 def test_math_verify_path_is_guarded(monkeypatch):
-    # Not installed here: text fallback. With a (fake) math_verify, non-numeric answers go to it; numbers never do.
-    assert "math_verify" not in sys.modules
+    # Not installed (None in sys.modules makes the import fail): text fallback. With a (fake) math_verify,
+    # non-numeric answers go to it; numbers never do.
+    monkeypatch.setitem(sys.modules, "math_verify", None)
     assert not answers_match(r"\sqrt{2}", r"2^{1/2}")
     calls = []
     fake = types.SimpleNamespace(parse=lambda s: s, verify=lambda g, p: calls.append((g, p)) or True)
@@ -334,3 +335,40 @@ def test_a_reward_module_in_the_working_directory(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"cannot import module 'no_such_rewards'.*current directory.*PYTHONPATH="):
         resolve_reward_fn("no_such_rewards:fn")
     assert sys.path[-1] == str(tmp_path) and sys.path.count(str(tmp_path)) == 1
+
+
+# Replies in the way instruct models write them (SmolLM2-, Qwen2.5-, Llama-3-Instruct styles) with the gold answer
+# each states; the last number of each is a different number, so a fall-back to the last number fails every case.
+INSTRUCT_REPLIES = [
+    ("Janet has 16 eggs. She eats 3 and bakes with 4, so 16 - 3 - 4 = 9 eggs are left.\nShe sells them at $2 each: "
+     "9 x 2 = 18.\nThe answer is 18. She sold 9 eggs in 1 day.", "18"),
+    ("To find the total, multiply: 12 * 5 = 60 minutes.\n\nThe final answer is: $60$ (about 1 hour).", "60"),
+    ("First, 3 boxes of 24 pencils is 72 pencils. Then 72 / 8 = 9.\n\n**Answer:** 9 pencils per student, "
+     "for 8 students.", "9"),
+    ("Step 1: 1,200 + 300 = 1,500\nStep 2: 1,500 x 2 = 3,000\nAnswer: $3,000 over 2 years", "3000"),
+    (r"We have $\frac{3}{4} \cdot 20 = 15$ apples.\nSo the answer is $\boxed{15}$. Check: 15 + 5 = 20.", "15"),
+    ("She earns 10 dollars per hour for 4 hours: 10 * 4 = 40.\n#### 40\nThat is 2 more than 38.", "40"),
+    ("The answer is -7 degrees, down from 3.", "-7"),
+]
+
+@pytest.mark.parametrize("reply,gold", INSTRUCT_REPLIES, ids=[f"reply{i}" for i in range(len(INSTRUCT_REPLIES))])
+def test_extract_answer_reads_what_instruct_models_write(reply, gold):
+    from maxpost.rewards import last_number
+    assert last_number(reply) != gold                       # the case is not won by the last number
+    assert extract_answer(reply) == gold
+    assert correctness_reward(["q"], [reply], answer=[f"...\n#### {gold}"]) == [1.0]
+
+
+def test_format_rewards_follow_the_prompt_template():
+    from maxpost.rewards import format_reward_for, plain_format_reward, boxed_format_reward, marked_format_reward
+    stated, boxed, hashes, bare = INSTRUCT_REPLIES[0][0], r"So it is $\boxed{15}$.", "3 + 4\n#### 7", "It is 7 apples."
+    tags = "<reasoning>3 + 4 = 7</reasoning><answer>7</answer>"
+    assert format_reward_for("plain") is plain_format_reward and format_reward_for("boxed") is boxed_format_reward
+    assert format_reward_for("gsm8k") is format_reward and format_reward_for("{question} Go.") is marked_format_reward
+    replies = [stated, boxed, hashes, bare, tags]
+    assert plain_format_reward(None, replies) == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert boxed_format_reward(None, replies) == [0.0, 1.0, 0.0, 0.0, 0.0]
+    assert marked_format_reward(None, replies) == [1.0, 1.0, 1.0, 0.0, 1.0]
+    assert format_reward(None, replies) == [0.0, 0.0, 0.0, 0.0, 1.0]
+    # a correct reply in the template's form scores on both rewards
+    assert correctness_reward(["q"], [stated], answer=["#### 18"]) == [1.0] and plain_format_reward(None, [stated]) == [1.0]
