@@ -15,7 +15,7 @@ COMMANDS = {
     "sft": ("maxpost.sft:main", "supervised fine-tuning (base: configs/sft.yml; default: the embedded task)"),
     "rl": ("maxpost.rl:main", "GRPO / GSPO from an SFT or Hugging Face checkpoint (base: configs/rl.yml)"),
     "eval": ("maxpost.evaluate:main", "pass@1, pass@k, maj@k and format rate of a checkpoint (base: configs/eval.yml)"),
-    "convert": ("maxpost.checkpoint:convert_main", "Hugging Face / maxpost / MaxText checkpoints, either way"),
+    "convert": ("maxpost.convert:convert_main", "Hugging Face / maxpost / MaxText checkpoints, either way"),
     "config": ("maxpost.cli:show_config", "print the resolved configuration of `sft`, `rl` or `eval` with overrides applied"),
 }
 

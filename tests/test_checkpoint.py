@@ -248,7 +248,8 @@ def test_run_config_reaches_a_hugging_face_model(saved, tmp_path):
 import subprocess, sys, textwrap, warnings
 from pathlib import Path
 
-from maxpost.checkpoint import checkpoint_manager, save_state, restore_state, convert_main, hf_to_maxpost
+from maxpost.checkpoint import checkpoint_manager, save_state, restore_state
+from maxpost.convert import convert_main, hf_to_maxpost
 from maxpost.model import get_model_config, create_model
 
 ROOT = Path(__file__).resolve().parent.parent
