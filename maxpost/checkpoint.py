@@ -14,13 +14,12 @@ import orbax.checkpoint as ocp
 from safetensors import safe_open
 from safetensors.numpy import save_file
 from .model import ModelConfig, Decoder
-from .sharding import param_shardings
+from .sharding import param_shardings, host_array, variable_at
 
 # %% auto 0
 __all__ = ['ARCHITECTURES', 'hf_config_to_model_config', 'model_config_to_hf_config', 'HFParam', 'hf_param_map', 'hf_to_param',
            'param_to_hf', 'hf_state_dict', 'save_hf', 'load_hf', 'CheckpointError', 'save_limit_gb',
-           'checkpoint_manager', 'save_state', 'restore_state', 'hf_to_maxpost', 'load_run_model', 'maxpost_to_hf',
-           'convert_main']
+           'checkpoint_manager', 'save_state', 'restore_state']
 
 # %% ../nbs/03_checkpoint.ipynb
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3",
@@ -173,24 +172,10 @@ def param_to_hf(kind: str, w):
     raise ValueError(kind)
 
 # %% ../nbs/03_checkpoint.ipynb
-def _host(x) -> np.ndarray:
-    "A (possibly sharded, possibly multi-host) array as one NumPy array."
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(jax.device_get(x))
-
-# %% ../nbs/03_checkpoint.ipynb
-def _variable(model, path: tuple) -> nnx.Variable:
-    "The variable at `path` (attribute names and list indices) of an NNX model."
-    node = model
-    for p in path: node = node[p] if isinstance(p, int) else getattr(node, p)
-    return node
-
 def hf_state_dict(model: Decoder, weight=None) -> dict[str, np.ndarray]:
     "The model's weights as HF tensor name -> NumPy array in HF layout; `weight(model, path)` reads each (default: the parameter)."
-    weight = weight or (lambda m, p: _variable(m, p).get_value())
-    return {e.hf_name: np.ascontiguousarray(param_to_hf(e.kind, _host(weight(model, e.path)))) for e in hf_param_map(model.cfg)}
+    weight = weight or (lambda m, p: variable_at(m, p).get_value())
+    return {e.hf_name: np.ascontiguousarray(param_to_hf(e.kind, host_array(weight(model, e.path)))) for e in hf_param_map(model.cfg)}
 
 # %% ../nbs/03_checkpoint.ipynb
 def save_hf(model: Decoder, path, tensors: dict | None = None) -> Path:
@@ -252,7 +237,7 @@ def load_hf(path, *, dtype=jnp.float32, mesh=None, remat: str = "none", compute_
             if hf_name not in files: raise KeyError(f"tensor {hf_name!r} missing from {path}")
             f = files[hf_name]
             if f not in handles: handles[f] = _open_safetensors(f)
-            var = _variable(model, e.path)
+            var = variable_at(model, e.path)
             shape = tuple(var.shape)
             w = handles[f].get_tensor(hf_name)
             expected = param_to_hf(e.kind, np.empty(shape, np.int8)).shape
@@ -343,147 +328,3 @@ def restore_state(mgr: ocp.CheckpointManager, params_like, opt_state_like=None, 
             continue
         return r["params"], (r["opt_state"] if opt_state_like is not None else None), r["meta"]
     raise CheckpointError(f"no checkpoint under {mgr.directory} restores: {'; '.join(failed)}")
-
-# %% ../nbs/03_checkpoint.ipynb
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                    "chat_template.jinja", "generation_config.json")
-
-def _copy_tokenizer(src: Path, dst: Path) -> None:
-    "Copy the tokenizer files of `src` (those that exist) into `dst`."
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in _TOKENIZER_FILES:
-        if (src / name).exists(): (dst / name).write_bytes((src / name).read_bytes())
-
-def _write_run(model: Decoder, out_dir: Path, source: str, tokenizer_src: Path | None = None) -> Path:
-    "`out_dir` as a maxpost run holding `model`: checkpoints/0, model_config.json, tokenizer/."
-    params = nnx.state(model, nnx.Param)
-    mgr = checkpoint_manager(out_dir / "checkpoints", save_concurrent_gb=save_limit_gb(params))
-    save_state(mgr, 0, params, meta={"source": source})
-    if jax.process_index() == 0:
-        (out_dir / "model_config.json").write_text(json.dumps(dataclasses.asdict(model.cfg), indent=1))
-        if tokenizer_src is not None: _copy_tokenizer(Path(tokenizer_src), out_dir / "tokenizer")
-    return out_dir
-
-def hf_to_maxpost(hf_dir, out_dir, *, dtype=jnp.float32, mesh=None) -> Path:
-    "Write a Hugging Face checkpoint as a maxpost run directory (checkpoints/0, model_config.json, tokenizer/)."
-    hf_dir = Path(hf_dir)
-    return _write_run(load_hf(hf_dir, dtype=dtype, mesh=mesh), Path(out_dir), str(hf_dir), hf_dir)
-
-# %% ../nbs/03_checkpoint.ipynb
-def load_run_model(run_or_step, *, dtype=None) -> Decoder:
-    "The model of a maxpost run directory (its newest step) or of one `checkpoints/<step>` directory."
-    p = Path(run_or_step)
-    run, step = (p, None) if (p / "checkpoints").is_dir() else (p.parent.parent, int(p.name))
-    cfg = ModelConfig(**json.loads((run / "model_config.json").read_text()))
-    if dtype is not None: cfg = dataclasses.replace(cfg, param_dtype=jnp.dtype(dtype).name, dtype=jnp.dtype(dtype).name)
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
-    params, _, _ = restore_state(checkpoint_manager(run / "checkpoints"), nnx.state(model, nnx.Param), step=step)
-    nnx.update(model, params)
-    return model
-
-def maxpost_to_hf(run_or_step, out_dir) -> Path:
-    "Write the newest (or the given step's) weights of a maxpost run as a Hugging Face directory."
-    p = Path(run_or_step)
-    run = p if (p / "checkpoints").is_dir() else p.parent.parent
-    save_hf(load_run_model(p), out_dir)
-    if (run / "tokenizer").is_dir(): _copy_tokenizer(run / "tokenizer", Path(out_dir))
-    return Path(out_dir)
-
-# %% ../nbs/03_checkpoint.ipynb
-def _is_nonempty_dir(p: Path) -> bool: return p.is_dir() and any(p.iterdir())
-
-def _write_replacing(dst: Path, write) -> Path:
-    "Run `write(tmp)` into a fresh sibling of `dst`, then put it in place of `dst` (removing the old one)."
-    dst = dst.absolute()
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp, old = dst.with_name(f".{dst.name}.convert-{os.getpid()}"), dst.with_name(f".{dst.name}.old-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try: write(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True); raise
-    if dst.exists(): dst.rename(old)
-    tmp.rename(dst)
-    shutil.rmtree(old, ignore_errors=True)
-    return dst
-
-# %% ../nbs/03_checkpoint.ipynb
-def _convert_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="maxpost convert", description="Convert a checkpoint between Hugging Face, "
-                                "maxpost and MaxText layouts (the kind of SRC is detected).")
-    p.add_argument("src", help="a Hugging Face directory, a maxpost run or checkpoints/<step> directory, or a MaxText "
-                               "checkpoint (.../<step>/items, .../<step> or the checkpoint root)")
-    p.add_argument("dst", help="the directory to write (must be new or empty unless --overwrite)")
-    p.add_argument("--to", choices=("hf", "maxpost", "maxtext"), help="default: maxpost for a Hugging Face SRC, hf otherwise")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST whole")
-    p.add_argument("--model-name", default="", help="MaxText SRC: the model_name it was trained with (a maxpost preset, a "
-                                                   "MaxText name such as qwen3-4b, or a family: llama3, llama3.1, qwen3, gemma3)")
-    p.add_argument("--model-overrides", default="", help="MaxText SRC: YAML/JSON dict of ModelConfig fields, e.g. "
-                                                        "'{rope_theta: 10000.0}'")
-    p.add_argument("--tokenizer", default="", help="a tokenizer directory to copy into DST (MaxText SRC has none)")
-    p.add_argument("--unscanned", action="store_true", help="--to maxtext: one entry per layer (layers_<i>)")
-    p.add_argument("--no-ocdbt", action="store_true", help="--to maxtext: one directory per array instead of OCDBT")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="dtype of the weights written")
-    p.add_argument("--adapter", default="", help="a peft LoRA adapter directory to merge into SRC (its base) before "
-                                                 "writing; a maxpost LoRA run as SRC is merged without it")
-    return p
-
-# %% ../nbs/03_checkpoint.ipynb
-def _read_any(kind: str, src: Path, a) -> tuple[Decoder, Path | None]:
-    "The model in `src` (of `kind`) and the directory its tokenizer is in (None when there is none)."
-    if kind == "hf": return load_hf(src, dtype=a.dtype), src
-    if kind == "maxpost":
-        run = src if (src / "checkpoints").is_dir() else src.parent.parent
-        tok = run / "tokenizer" if (run / "tokenizer").is_dir() else None
-        from maxpost.train import lora_run_config, load_lora_run, find_run_checkpoint
-        if lora_run_config(run) is None: return load_run_model(src, dtype=a.dtype), tok
-        from maxpost.config import RunConfig   # a LoRA run: its base with its adapters merged
-        from maxpost.sharding import make_mesh  # on a mesh, as the run built it: a random base is drawn the same way
-        cfg = RunConfig(run_name="convert", base_output_directory=str(run.parent), dtype=a.dtype, param_dtype=a.dtype)
-        return load_lora_run(run, find_run_checkpoint(src)[1], cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1])), tok
-    from maxpost.maxtext import load_maxtext
-    import yaml
-    if not a.model_name: raise ValueError("a MaxText checkpoint does not say which model it holds: pass --model-name")
-    overrides = yaml.safe_load(a.model_overrides) if a.model_overrides else {}
-    return load_maxtext(src, a.model_name, overrides=overrides, dtype=a.dtype), None
-
-def _merge_adapter(model: Decoder, adapter: Path) -> Decoder:
-    "`model` with the peft LoRA adapter in `adapter` (rank, alpha and targets from its config) merged in."
-    from maxpost.lora import add_lora, load_adapter, merge_lora, read_adapter_config
-    c = read_adapter_config(adapter)
-    add_lora(model, c["r"], c.get("lora_alpha", 8), c.get("target_modules") or (), rslora=c.get("use_rslora", False))
-    return merge_lora(load_adapter(model, adapter))
-
-def convert_main(argv) -> int:
-    "`maxpost convert SRC DST [--to hf|maxpost|maxtext] [--overwrite] ...`: see `--help`."
-    from maxpost.maxtext import checkpoint_kind, save_maxtext
-    try: a = _convert_parser().parse_args(list(argv))
-    except SystemExit as e: return int(e.code or 0)
-    src, dst = Path(a.src), Path(a.dst)
-    def fail(msg: str) -> int:
-        print(f"maxpost convert: {msg}", file=sys.stderr); return 2
-    try: kind = checkpoint_kind(src)
-    except (ValueError, FileNotFoundError) as e: return fail(str(e))
-    to = a.to or ("maxpost" if kind == "hf" else "hf")
-    if _is_nonempty_dir(dst) and not a.overwrite:
-        return fail(f"{dst} exists and is not empty; give a new directory, or pass --overwrite to replace it whole")
-    if dst.exists() and not dst.is_dir(): return fail(f"{dst} exists and is not a directory")
-    if dst.absolute() == src.absolute() or dst.absolute() in src.absolute().parents:
-        return fail(f"{dst} holds the source {src}; write somewhere else")
-    tok_src = Path(a.tokenizer) if a.tokenizer else None
-    try:
-        model, found_tok = _read_any(kind, src, a)
-        if a.adapter: model = _merge_adapter(model, Path(a.adapter))
-    except (ValueError, FileNotFoundError) as e: return fail(str(e))
-    tok_src = tok_src or found_tok
-    def write(tmp: Path):
-        if to == "maxpost": _write_run(model, tmp, str(src), tok_src)
-        elif to == "hf":
-            save_hf(model, tmp)
-            if tok_src is not None: _copy_tokenizer(tok_src, tmp)
-        else:
-            save_maxtext(model, tmp, scanned=not a.unscanned, use_ocdbt=not a.no_ocdbt)
-            if tok_src is not None: _copy_tokenizer(tok_src, tmp / "tokenizer")
-    try: _write_replacing(dst, write)
-    except (CheckpointError, OSError) as e: return fail(f"could not write {dst} ({e}); it is as it was before")
-    print(f"wrote {dst} ({kind} -> {to})")
-    return 0

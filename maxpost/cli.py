@@ -15,7 +15,7 @@ COMMANDS = {
     "sft": ("maxpost.sft:main", "supervised fine-tuning (base: configs/sft.yml; default: the embedded task)"),
     "rl": ("maxpost.rl:main", "GRPO / GSPO from an SFT or Hugging Face checkpoint (base: configs/rl.yml)"),
     "eval": ("maxpost.evaluate:main", "pass@1, pass@k, maj@k and format rate of a checkpoint (base: configs/eval.yml)"),
-    "convert": ("maxpost.checkpoint:convert_main", "Hugging Face / maxpost / MaxText checkpoints, either way"),
+    "convert": ("maxpost.convert:convert_main", "Hugging Face / maxpost / MaxText checkpoints, either way"),
     "config": ("maxpost.cli:show_config", "print the resolved configuration of `sft`, `rl` or `eval` with overrides applied"),
 }
 
@@ -23,7 +23,7 @@ COMMANDS = {
 def show_config(argv: Sequence[str]) -> int:
     "`maxpost config sft|rl|eval [base.yml] key=value ...`: print the config a command would use."
     from maxpost.config import load_config, to_yaml, CONFIG_CLASSES
-    from maxpost.train import split_base
+    from maxpost.setup import split_base
     if not argv or argv[0] not in CONFIG_CLASSES:
         print(f"usage: maxpost config {{{','.join(CONFIG_CLASSES)}}} [base.yml] key=value ...", file=sys.stderr)
         return 2
@@ -39,7 +39,8 @@ EXIT_CODES = {0: "finished", 1: "an unexpected error", 2: "a configuration or in
 def exit_code(e: BaseException) -> int | None:
     "The exit code of a run that ended with `e`, or None when `e` is not one a run reports (then: traceback, 1)."
     from maxpost.config import ConfigError
-    from maxpost.train import RunLocked, RunStopped
+    from maxpost.setup import RunLocked
+    from maxpost.train import RunStopped
     from maxpost.checkpoint import CheckpointError
     if isinstance(e, RunStopped): return e.exit_code
     for cls, code in ((ConfigError, 2), (FloatingPointError, 3), (RunLocked, 4), (CheckpointError, 5)):

@@ -13,9 +13,10 @@ from omegaconf import OmegaConf, MISSING
 from omegaconf.errors import OmegaConfBaseException
 
 # %% auto 0
-__all__ = ['DTYPES', 'CHOICES', 'POSITIVE', 'NON_NEGATIVE', 'INTERVALS', 'CONFIG_CLASSES', 'CONFIG_DIR', 'RunConfig',
-           'GenerationConfig', 'TrainConfig', 'SFTConfig', 'RLConfig', 'EvalConfig', 'choices', 'check_run_name',
-           'ConfigError', 'validate', 'default_base', 'parse_overrides', 'load_config', 'run_dir', 'to_yaml']
+__all__ = ['DTYPES', 'CHOICES', 'POSITIVE', 'NON_NEGATIVE', 'INTERVALS', 'LORA_TARGETS', 'ALL_LINEAR', 'CONFIG_CLASSES',
+           'CONFIG_DIR', 'RunConfig', 'GenerationConfig', 'TrainConfig', 'SFTConfig', 'RLConfig', 'EvalConfig',
+           'choices', 'check_run_name', 'ConfigError', 'parse_target_modules', 'target_modules_problem', 'validate',
+           'default_base', 'parse_overrides', 'load_config', 'run_dir', 'to_yaml']
 
 # %% ../nbs/00_config.ipynb
 @dataclass
@@ -92,7 +93,7 @@ class TrainConfig(RunConfig):
     checkpoint_period: int = 100
     max_checkpoints_to_keep: int = 2
     save_hf: bool = False  # also write a Hugging Face directory at the end (with LoRA: the merged model)
-    # LoRA (chapter 02b_lora): train low-rank adapters on a frozen base; 0 = train every weight
+    # LoRA (chapter 03c_lora): train low-rank adapters on a frozen base; 0 = train every weight
     lora_rank: int = 0
     lora_alpha: float = 32.0  # the update is scaled by lora_alpha / lora_rank (/ sqrt(lora_rank) with rsLoRA)
     # all-linear, or projections joined by commas: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
@@ -236,9 +237,28 @@ def _rl_problems(cfg: RLConfig) -> list[str]:
     return out
 
 # %% ../nbs/00_config.ipynb
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL_LINEAR = "all-linear"
+
+def parse_target_modules(spec: str | Sequence[str]) -> tuple[str, ...]:
+    "The projections `spec` names, in `LORA_TARGETS` order: `all-linear`, or names joined by commas (or spaces, or a list)."
+    names = spec.replace(",", " ").split() if isinstance(spec, str) else list(spec)
+    if names == [ALL_LINEAR]: return LORA_TARGETS
+    bad = [n for n in names if n not in LORA_TARGETS]
+    if bad or not names:
+        raise ValueError(f"lora_target_modules={spec!r} names {', '.join(map(repr, bad)) or 'nothing'}: give "
+                         f"{ALL_LINEAR} or some of {', '.join(LORA_TARGETS)} joined by commas")
+    return tuple(n for n in LORA_TARGETS if n in names)
+
+def target_modules_problem(spec) -> str | None:
+    "What is wrong with `lora_target_modules=spec` (naming the valid names), or None."
+    try: parse_target_modules(spec)
+    except ValueError as e: return str(e)
+    return None
+
+# %% ../nbs/00_config.ipynb
 def _lora_problems(cfg: TrainConfig) -> list[str]:
-    "The LoRA keys: target names (the list is `maxpost.lora.LORA_TARGETS`), dropout, and the keys that need a rank."
-    from maxpost.lora import target_modules_problem
+    "The LoRA keys: target names (`LORA_TARGETS`), dropout, and the keys that need a rank."
     out = [p] if (p := target_modules_problem(cfg.lora_target_modules)) else []
     if cfg.lora_dropout != 0:
         out.append(f"lora_dropout={cfg.lora_dropout} is not supported: maxpost applies no dropout to the adapters; "
@@ -256,11 +276,6 @@ def validate(cfg: RunConfig) -> RunConfig:
     problems += _value_problems(cfg)
     if cfg.run_name != MISSING and (p := check_run_name(cfg.run_name, empty_ok=isinstance(cfg, EvalConfig))):
         problems.append(p)
-    if cfg.model_overrides:
-        from maxpost.model import ModelConfig
-        valid = [f.name for f in fields(ModelConfig)]
-        problems += [f"model_overrides has {k!r}, which is no ModelConfig field.{_suggest(k, valid)}"
-                     for k in cfg.model_overrides if k not in valid]
     if isinstance(cfg, TrainConfig) and cfg.global_batch_size % max(cfg.gradient_accumulation_steps, 1) \
             and not isinstance(cfg, RLConfig):
         problems.append(f"global_batch_size={cfg.global_batch_size} must be a multiple of "

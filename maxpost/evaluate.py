@@ -22,7 +22,7 @@ __all__ = ['load_examples', 'load_eval_examples', 'pass_at_k', 'majority_vote', 
 def _rows(cfg: RunConfig, split: str, source: str):
     "The rows of `split` of `source` (\"\" = the embedded task's problems)."
     from maxpost.data import load_dataset_split
-    from maxpost.train import embedded_split
+    from maxpost.setup import embedded_split
     if source: return load_dataset_split(source, split, dataset_config=cfg.dataset_config)
     path, split = embedded_split(cfg, split)
     if split != "train": return load_dataset_split(path, split)       # a slice
@@ -46,7 +46,7 @@ def load_examples(cfg: RunConfig, split: str, *, source: str | None = None, num_
 # %% ../nbs/14_evaluate.ipynb
 def load_eval_examples(cfg: RunConfig) -> list[dict]:
     "The held-out examples every evaluation uses: the first `eval_num_prompts` of `eval_split` of `eval_source(cfg)`."
-    from maxpost.train import eval_source
+    from maxpost.setup import eval_source
     return load_examples(cfg, cfg.eval_split, source=eval_source(cfg), num_prompts=getattr(cfg, "eval_num_prompts", 0))
 
 # %% ../nbs/14_evaluate.ipynb
@@ -165,7 +165,7 @@ def eval_options(cfg: RunConfig) -> dict:
 def show_generations(run_directory, cfg: RunConfig, n: int = 3) -> list[dict]:
     "Print `n` greedy completions of the policy in `run_directory` on eval prompts, with the gold answers."
     import jax
-    from maxpost.train import setup_run, eval_source
+    from maxpost.setup import setup_run, eval_source
     cfg = dataclasses.replace(cfg, load_parameters_path=str(run_directory))
     s = setup_run(cfg)
     examples = load_examples(cfg, cfg.eval_split, source=eval_source(cfg), num_prompts=n)
@@ -215,7 +215,7 @@ def eval_dir(cfg: RunConfig) -> Path:
 def run_evaluation(cfg: RunConfig, *, progress: bool = False) -> dict:
     "Evaluate the policy at `cfg.load_parameters_path`; log a kind='eval' record and write eval.json under `eval_dir(cfg)`."
     import jax
-    from maxpost.train import MetricsLogger, RunLock, setup_run
+    from maxpost.setup import MetricsLogger, RunLock, setup_run
     if not cfg.load_parameters_path:
         raise ConfigError("maxpost eval needs load_parameters_path= (a maxpost run directory, one of its "
                           "checkpoints/<step> directories, or a Hugging Face directory)")
@@ -238,7 +238,7 @@ def run_evaluation(cfg: RunConfig, *, progress: bool = False) -> dict:
 # %% ../nbs/14_evaluate.ipynb
 def main(argv=None) -> int:
     "`maxpost eval [base.yml] key=value ...`"
-    from maxpost.train import run_command
+    from maxpost.setup import run_command
     cfg, res = run_command("eval", run_evaluation, argv)
     print(format_table({_label(cfg.load_parameters_path): res}))
     print(f"eval record: {eval_dir(cfg) / 'eval.json'}")

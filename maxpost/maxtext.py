@@ -12,8 +12,7 @@ import jax, jax.numpy as jnp
 from flax import nnx
 import orbax.checkpoint as ocp
 from .model import ModelConfig, Decoder, PRESETS
-from .sharding import param_shardings
-from .checkpoint import _variable
+from .sharding import param_shardings, variable_at
 
 # %% auto 0
 __all__ = ['MAXTEXT_MODELS', 'MAXTEXT_FAMILIES', 'DIMENSIONS', 'find_maxtext_items', 'is_maxtext_checkpoint',
@@ -163,7 +162,7 @@ def maxtext_params(model: Decoder, *, scanned: bool = True, vocab_size: int | No
     cfg, tree = model.cfg, {}
     vocab = vocab_size or _maxtext_vocab(cfg)
     for e in maxtext_param_map(cfg, scanned):
-        slices = [to_maxtext(e.kind, _variable(model, t).get_value(), cfg) for t in e.targets]
+        slices = [to_maxtext(e.kind, variable_at(model, t).get_value(), cfg) for t in e.targets]
         x = jnp.stack(slices, axis=1) if e.stacked else slices[0]
         if e.kind in ("embed", "t"): x = _resize_vocab(x, vocab, axis=0 if e.kind == "embed" else 1)
         _put(tree, e.path, x)
@@ -344,7 +343,7 @@ def load_maxtext(path, model: str | ModelConfig, *, overrides: dict | None = Non
         arrays = _restore_arrays(items, {e.path: sharding_of(e)[0] for e in group})
         for e in group:
             f = _slicer(e.kind, cfg, e.stacked, sharding_of(e)[1])
-            for j, t in enumerate(e.targets): _variable(model, t).set_value(f(arrays[e.path], j))
+            for j, t in enumerate(e.targets): variable_at(model, t).set_value(f(arrays[e.path], j))
         del arrays
     return model
 

@@ -102,6 +102,13 @@ PRESETS: dict[str, ModelConfig] = {
 def get_model_config(name: str, **overrides) -> ModelConfig:
     "The preset `name` with fields replaced by `overrides` (e.g. `dtype='bfloat16'`)."
     if name not in PRESETS: raise KeyError(f"unknown model {name!r}; presets: {sorted(PRESETS)}")
+    valid = [f.name for f in dataclasses.fields(ModelConfig)]
+    for k in overrides:
+        if k not in valid:
+            import difflib
+            close = difflib.get_close_matches(k, valid, n=3, cutoff=0.6)
+            raise ValueError(f"model_overrides has {k!r}, which is no ModelConfig field."
+                             + (f" Did you mean {' or '.join(map(repr, close))}?" if close else ""))
     return dataclasses.replace(PRESETS[name], **overrides)
 
 # %% ../nbs/02_model.ipynb

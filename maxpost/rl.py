@@ -19,7 +19,8 @@ from .sampling import Rollout, generate, completion_logps
 from .sft_loss import LOGITS_CHUNK_SIZE
 from .prompts import prompt_token_ids, stop_token_ids
 from .evaluate import load_examples, load_eval_examples, evaluate, eval_options
-from .train import Trainer, all_finite, check_held_out, train_command
+from .setup import check_held_out
+from .train import Trainer, all_finite, train_command
 
 # %% auto 0
 __all__ = ['DEFAULT_EPSILONS', 'ROLLOUT_ENGINES', 'resolve_epsilons', 'loss_options', 'PromptIterator', 'RolloutEngine',

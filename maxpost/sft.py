@@ -13,8 +13,8 @@ from .config import SFTConfig, ConfigError
 from . import sharding
 from .data import make_sft_iterator, check_examples
 from .sft_loss import LOGITS_CHUNK_SIZE, model_sft_loss, target_weights, summarize_metrics
-from .train import (Trainer, embedded_split, eval_source, check_held_out, train_command,
-                           all_finite, flops_per_token)
+from .setup import embedded_split, eval_source, check_held_out
+from .train import Trainer, train_command, all_finite, flops_per_token
 
 # %% auto 0
 __all__ = ['split_micro_batches', 'make_sft_step', 'make_eval_step', 'sft_data', 'evaluate_loss', 'SFTTrainer', 'train_sft',

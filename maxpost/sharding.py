@@ -14,7 +14,7 @@ from flax import nnx
 # %% auto 0
 __all__ = ['AXES', 'LOGICAL_RULES', 'mesh_shape', 'make_mesh', 'logical_spec', 'active_mesh', 'constrain', 'logical_init',
            'logical_names', 'param_shardings', 'shard_state', 'shard_model', 'create_sharded', 'batch_sharding',
-           'process_batch_slice', 'shard_batch', 'init_distributed']
+           'process_batch_slice', 'shard_batch', 'host_array', 'variable_at', 'init_distributed']
 
 # %% ../nbs/01_sharding.ipynb
 AXES = ("data", "fsdp", "tensor")
@@ -157,6 +157,20 @@ def shard_batch(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Ar
         s = batch_sharding(mesh, shape) if shape else NamedSharding(mesh, logical_spec(("batch",) + (None,) * (v.ndim - 1), mesh=mesh))
         out[k] = jax.make_array_from_process_local_data(s, v)
     return out
+
+# %% ../nbs/01_sharding.ipynb
+def host_array(x) -> np.ndarray:
+    "A (possibly sharded, possibly multi-host) array as one NumPy array."
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+
+def variable_at(model, path: tuple) -> nnx.Variable:
+    "The variable (or submodule) at `path` (attribute names and list indices) of an NNX model."
+    node = model
+    for p in path: node = node[p] if isinstance(p, int) else getattr(node, p)
+    return node
 
 # %% ../nbs/01_sharding.ipynb
 def _cluster_process_count() -> int:

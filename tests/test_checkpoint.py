@@ -232,7 +232,7 @@ def test_run_config_reaches_a_hugging_face_model(saved, tmp_path):
     """`dtype` (compute), `param_dtype` and `remat_policy` of a run apply to a model loaded from a Hugging Face
     directory: float32 weights computing in bfloat16 give logits other than float32 compute, close to them."""
     from maxpost.config import load_config
-    from maxpost.train import load_policy
+    from maxpost.setup import load_policy
     family, path, hf = saved
     cfg = load_config("sft", [f"base_output_directory={tmp_path}", "run_name=x", f"load_parameters_path={path}",
                               "dtype=bfloat16", "param_dtype=float32", "remat_policy=full"])
@@ -248,7 +248,8 @@ def test_run_config_reaches_a_hugging_face_model(saved, tmp_path):
 import subprocess, sys, textwrap, warnings
 from pathlib import Path
 
-from maxpost.checkpoint import checkpoint_manager, save_state, restore_state, convert_main, hf_to_maxpost
+from maxpost.checkpoint import checkpoint_manager, save_state, restore_state
+from maxpost.convert import convert_main, hf_to_maxpost
 from maxpost.model import get_model_config, create_model
 
 ROOT = Path(__file__).resolve().parent.parent

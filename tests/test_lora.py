@@ -9,7 +9,7 @@ from flax import nnx
 
 from maxpost.config import load_config, run_dir, ConfigError
 from maxpost.checkpoint import load_hf, checkpoint_manager, restore_state
-from maxpost.train import attach_adapters
+from maxpost.setup import attach_adapters
 from maxpost.lora import add_lora, load_adapter, merge_lora, split_adapters, LORA_TARGETS
 from maxpost.model import get_model_config, create_model
 from maxpost import sharding

@@ -20,7 +20,8 @@ from flax import nnx
 import torch, transformers
 import orbax.checkpoint as ocp
 
-from maxpost.checkpoint import load_hf, convert_main, checkpoint_manager, restore_state
+from maxpost.checkpoint import load_hf, checkpoint_manager, restore_state
+from maxpost.convert import convert_main
 from maxpost.maxtext import load_maxtext, save_maxtext, checkpoint_kind, is_maxtext_checkpoint
 from maxpost.model import get_model_config, create_model
 from maxpost.sharding import make_mesh

@@ -8,7 +8,7 @@ from flax import nnx
 
 from maxpost.config import load_config, run_dir, ConfigError
 from maxpost.rl import RLTrainer, train_rl
-from maxpost.train import read_metrics
+from maxpost.setup import read_metrics
 from maxpost.checkpoint import checkpoint_manager, restore_state
 from maxpost.model import create_model, get_model_config
 
