@@ -7,10 +7,10 @@ __all__ = ['FORMAT_REWARDS', 'BUILTIN_REWARDS', 'REWARD_ISOLATION', 'parse_numbe
            'extract_answer', 'answers_match', 'gold_answer', 'check_gold_answers', 'correctness_reward',
            'format_reward', 'plain_format_reward', 'boxed_format_reward', 'marked_format_reward', 'format_reward_for',
            'resolve_reward_fn', 'RewardSpec', 'as_reward_specs', 'start_reward_workers', 'close_reward_workers',
-           'compute_rewards']
+           'compute_rewards', 'score_answer_reward']
 
 # %% ../nbs/13_rewards.ipynb
-import importlib, inspect, logging, math, os, pickle, queue, re, signal, socket, subprocess, sys, threading, time, weakref
+import importlib, inspect, json, logging, math, os, pickle, queue, re, signal, socket, subprocess, sys, threading, time, weakref
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from fractions import Fraction
@@ -21,6 +21,7 @@ from typing import Callable
 import numpy as np
 
 from .config import ConfigError
+from . import reasoning_gym
 
 _log = logging.getLogger(__name__)
 
@@ -564,3 +565,14 @@ def compute_rewards(rewards, prompts: list[str], completions: list[str], columns
                     f"rewards/{spec.name}/seconds": time.perf_counter() - t0}
     metrics["rewards/failures"] = sum(metrics[f"rewards/{s.name}/failures"] for s in specs)
     return total.astype(np.float32), per_function, metrics
+
+# %% ../nbs/13_rewards.ipynb
+def score_answer_reward(prompts: list[str], completions: list[str], rg_entry: list[str], **columns) -> list[float]:
+    "reasoning-gym's own `score_answer` of each completion's extracted answer (maxpost's `extract_answer`)."
+    rg = reasoning_gym.import_reasoning_gym()     # chapter 03d: a clear error when the package is missing
+    scores = []
+    for completion, raw in zip(completions, rg_entry):
+        entry = json.loads(raw) if isinstance(raw, str) else raw
+        score = rg.get_score_answer_fn(entry["metadata"]["source_dataset"])
+        scores.append(float(score(extract_answer(completion), entry)))
+    return scores

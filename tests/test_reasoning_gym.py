@@ -1,4 +1,4 @@
-"""reasoning-gym tasks as maxpost datasets (chapter 13b): held-out splits that cannot leak (GSM-Symbolic by template,
+"""reasoning-gym tasks as maxpost datasets (chapter 03d): held-out splits that cannot leak (GSM-Symbolic by template,
 other tasks by seed with no question in both splits), determinism, the score_answer reward against reasoning-gym's
 own scorer, and the error when the package is missing."""
 import json, sys
@@ -8,7 +8,8 @@ rg = pytest.importorskip("reasoning_gym")
 from maxpost.config import ConfigError
 from maxpost.data import load_dataset_split
 from maxpost.rewards import compute_rewards, correctness_reward
-from maxpost.reasoning_gym import load_reasoning_gym, score_answer_reward, import_reasoning_gym
+from maxpost.reasoning_gym import load_reasoning_gym, import_reasoning_gym
+from maxpost.rewards import score_answer_reward
 
 
 def templates_drawn(seed_offset: int, n: int) -> list[int]:
@@ -86,7 +87,7 @@ def test_score_answer_reward_agrees_with_reasoning_gym(task):
 def test_score_answer_reward_through_compute_rewards():
     row = load_reasoning_gym("gsm_symbolic", "test[:1]")[0]
     gold = json.loads(row["rg_entry"])["answer"]
-    total, per, _ = compute_rewards(["maxpost.reasoning_gym:score_answer_reward"], ["q", "q"],
+    total, per, _ = compute_rewards(["maxpost.rewards:score_answer_reward"], ["q", "q"],
                                     [f"The answer is {gold}.", "The answer is 0.5."],
                                     {"rg_entry": [row["rg_entry"]] * 2, "answer": [row["answer"]] * 2}, isolation="thread")
     assert per["score_answer_reward"].tolist() == [1.0, pytest.approx(0.01)]
