@@ -30,7 +30,7 @@ _spec = importlib.util.spec_from_file_location("real_model_setup", ROOT / "bench
 real_model_setup = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(real_model_setup)
 
-# both xdist workers would otherwise each load the model and compile every program (README runs `--dist loadgroup`)
+# one xdist worker runs this file under `--dist loadgroup`; otherwise each worker loads the models and compiles again
 pytestmark = pytest.mark.xdist_group("smollm2")
 
 END_OF_TURN, DEFAULT_SYSTEM = "<|im_end|>", "You are a helpful AI assistant named SmolLM"
