@@ -1,10 +1,12 @@
 """Sampler checks: cache vs full forward, log-prob agreement, filters, recompilation, seeds, stop ids, truncation."""
+import contextlib
 import warnings
 import numpy as np
 import pytest
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax._src.dispatch import BACKEND_COMPILE_EVENT     # "/jax/core/compile/backend_compile_duration"
 
 from maxpost.model import create_model, get_model_config
 from maxpost.sampling import (Rollout, completion_logps, filter_logits, generate, left_pad, sample_completions,
@@ -111,22 +113,37 @@ def test_first_token_frequencies_match_filtered_softmax(model):
     assert np.abs(freq - p).max() < 4 * np.sqrt(p * (1 - p) / n).max() + 1e-3
 
 
+@contextlib.contextmanager
+def compiles_of(name: str):
+    """Count XLA compilations of the jitted function `name` inside the block (JAX's backend-compile events).
+
+    Counting compile events, not `sample_completions._cache_size()`: the size of the C++ dispatch cache was seen
+    at -2 after `clear_cache()` when other tests had run in the same worker, and a cache entry is not a compile."""
+    names = []
+    def listener(event, duration, **kw):
+        if event == BACKEND_COMPILE_EVENT: names.append(kw.get("fun_name"))
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try: yield lambda: names.count(f"jit({name})")          # JAX names the program jit(<function>)
+    finally: jax.monitoring.unregister_event_duration_listener(listener)
+
+
 def test_no_recompile_for_knobs_lengths_and_weights(model):
-    sample_completions.clear_cache()
     kw = dict(max_prompt_length=64, max_completion_length=4, num_generations=2, eos_ids=[5])
-    a = generate(model, [[1, 2, 3], [4, 5]], temperature=1.0, **kw)
-    generate(model, [[1] * 9, [4, 5, 6, 7]], temperature=0.3, top_k=7, top_p=0.5, seed=5, **kw)
-    generate(model, [[1] * 16, [4]], temperature=0.0, top_k=3, **kw)
-    generate(model, [[1, 2, 3], [4, 5]], temperature=1, top_p=1, **kw)        # Python ints for floats
-    generate(model, [[1, 2, 3], [4, 5]], **{**kw, "eos_ids": [5, 6, 7]})     # more stop ids, same slot count
-    # new weights (what an RL update does): same program, different output
-    graphdef, state = nnx.split(model)
-    other = nnx.merge(graphdef, jax.tree.map(lambda x: x * 1.5, state))
-    b = generate(other, [[1, 2, 3], [4, 5]], temperature=1.0, **kw)
-    assert sample_completions._cache_size() == 1
-    assert not np.array_equal(a.per_token_logps, b.per_token_logps)
-    generate(model, [[1] * 17, [4]], **kw)                                   # next bucket
-    assert sample_completions._cache_size() == 2
+    generate(model, [[1, 2], [4, 5]], temperature=1.0, **kw)         # the 16-token bucket, compiled here or before
+    with compiles_of("sample_completions") as count:
+        a = generate(model, [[1, 2, 3], [4, 5]], temperature=1.0, **kw)
+        generate(model, [[1] * 9, [4, 5, 6, 7]], temperature=0.3, top_k=7, top_p=0.5, seed=5, **kw)
+        generate(model, [[1] * 16, [4]], temperature=0.0, top_k=3, **kw)
+        generate(model, [[1, 2, 3], [4, 5]], temperature=1, top_p=1, **kw)        # Python ints for floats
+        generate(model, [[1, 2, 3], [4, 5]], **{**kw, "eos_ids": [5, 6, 7]})     # more stop ids, same slot count
+        # new weights (what an RL update does): same program, different output
+        graphdef, state = nnx.split(model)
+        other = nnx.merge(graphdef, jax.tree.map(lambda x: x * 1.5, state))
+        b = generate(other, [[1, 2, 3], [4, 5]], temperature=1.0, **kw)
+        assert count() == 0
+        assert not np.array_equal(a.per_token_logps, b.per_token_logps)
+        generate(model, [[1] * 100, [4]], **{**kw, "max_prompt_length": 128})     # a bucket no other test uses
+        assert count() == 1                                                    # is one new program: the count works
 
 
 def test_seed_reproducible(model):
