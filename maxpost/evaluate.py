@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import RunConfig, ConfigError, run_dir
-from .rewards import extract_answer, answers_match, format_reward, gsm8k_gold, check_gold_answers
+from .rewards import extract_answer, answers_match, format_reward, format_reward_for, gsm8k_gold, check_gold_answers
 from .prompts import prompt_token_ids, stop_token_ids
 
 # %% auto 0
@@ -72,8 +72,8 @@ def majority_vote(answers: Sequence[str | None]) -> str | None:
 def _correct(text: str | None, gold: str) -> bool: return answers_match(extract_answer(text), gold)
 
 def score_samples(greedy_texts: Sequence[str], sampled_texts_per_prompt: Sequence[Sequence[str]] | None,
-                  golds: Sequence[str], k: int) -> dict:
-    "pass@1 (greedy), format rate, and from the samples pass@k, maj@k (k >= 2) and sample_accuracy."
+                  golds: Sequence[str], k: int, template: str = "gsm8k") -> dict:
+    "pass@1 (greedy), format rate (the format `template` asks for), and from the samples pass@k, maj@k (k >= 2) and sample_accuracy."
     n = len(golds)
     if len(greedy_texts) != n: raise ValueError(f"{len(greedy_texts)} greedy completions for {n} prompts")
     out = {"pass@1": float(np.mean([_correct(t, g) for t, g in zip(greedy_texts, golds)])) if n else 0.0}
@@ -86,7 +86,7 @@ def score_samples(greedy_texts: Sequence[str], sampled_texts_per_prompt: Sequenc
             votes = [majority_vote([extract_answer(t) for t in samples[:k]]) for samples in sampled_texts_per_prompt]
             out[f"maj@{k}"] = float(np.mean([answers_match(v, g) for v, g in zip(votes, golds)]))
         out["sample_accuracy"] = float(np.mean([np.mean(c) for c in correct]))
-    out["format_rate"] = float(np.mean(format_reward([""] * n, list(greedy_texts)))) if n else 0.0
+    out["format_rate"] = float(np.mean(format_reward_for(template)([""] * n, list(greedy_texts)))) if n else 0.0
     out["num_prompts"] = n
     return out
 
@@ -124,7 +124,7 @@ def evaluate(model, tokenizer, examples: Sequence[dict], *, k: int = 8, template
         s = generate(model, chunk, num_generations=k, temperature=temperature, top_k=top_k, top_p=top_p,
                      seed=_chunk_seed(seed, i), **kw)
         samples += [s.text[j * k:(j + 1) * k] for j in range(m)]
-    out = score_samples(greedy, samples, golds, k)
+    out = score_samples(greedy, samples, golds, k, template)
     n = out.pop("num_prompts")
     out |= {"mean_completion_length": float(np.mean(lengths)), "truncation_rate": 1.0 - float(np.mean(stopped)),
             "num_prompts": n, "truncated_prompts": sum(len(p) > max_prompt_length for p in prompts),
@@ -132,7 +132,7 @@ def evaluate(model, tokenizer, examples: Sequence[dict], *, k: int = 8, template
     if return_completions:
         out["completions"] = [
             {"question": q, "answer": a, "completion": t, "extracted": extract_answer(t), "correct": _correct(t, a),
-             "format": bool(format_reward([""], [t])[0])} for q, a, t in zip(questions, golds, greedy)]
+             "format": bool(format_reward_for(template)([""], [t])[0])} for q, a, t in zip(questions, golds, greedy)]
     return out
 
 # %% ../nbs/14_evaluate.ipynb

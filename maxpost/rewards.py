@@ -286,17 +286,23 @@ class RewardSpec:
         self.weight = float(self.weight)
 
 # %% ../nbs/13_rewards.ipynb
-def as_reward_specs(rewards) -> list[RewardSpec]:
-    "Normalise a reward config: a name, a callable, (fn, weight) pairs, {name: weight}, {fn:, weight:, name:} dicts, or a list."
+def _spec_fields(r) -> dict:
+    "The `RewardSpec` fields of one reward entry (a name, a callable, a (fn, weight, name) tuple or a dict)."
+    if isinstance(r, dict): return dict(r)
+    if isinstance(r, (tuple, list)): return dict(zip(("fn", "weight", "name"), r))
+    return {"fn": r}
+
+def as_reward_specs(rewards, template: str | None = None) -> list[RewardSpec]:
+    "Normalise a reward config: a name, a callable, (fn, weight) pairs, {name: weight}, {fn:, weight:, name:} dicts, or a list. With a prompt `template`, the name 'format' means that template's format reward (`format_reward_for`)."
     if isinstance(rewards, (RewardSpec, str)) or callable(rewards): rewards = [rewards]
     if isinstance(rewards, dict) and "fn" not in rewards: rewards = list(rewards.items())
     elif isinstance(rewards, dict): rewards = [rewards]
     specs = []
     for r in rewards:
-        if isinstance(r, RewardSpec): specs.append(r)
-        elif isinstance(r, dict): specs.append(RewardSpec(**r))
-        elif isinstance(r, (tuple, list)): specs.append(RewardSpec(*r))
-        else: specs.append(RewardSpec(r))
+        if isinstance(r, RewardSpec): specs.append(r); continue
+        kw = _spec_fields(r)
+        if template is not None and kw["fn"] == "format": kw = {**kw, "fn": format_reward_for(template), "name": kw.get("name") or "format"}
+        specs.append(RewardSpec(**kw))
     names = [s.name for s in specs]
     if len(set(names)) != len(names): raise ValueError(f"reward names must be unique, got {names}; set `name=`")
     return specs
