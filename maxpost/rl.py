@@ -194,7 +194,7 @@ class RLTrainer(Trainer):
         self.ref_params = None                 # π_ref: a copy of the initial weights; with LoRA, the base (adapters off)
         if cfg.beta > 0: self.ref_params = jax.tree.map(jnp.copy if self.lora_base is None else jnp.zeros_like, self.params)
         self.rewards = as_reward_specs(reward_fns if reward_fns is not None else
-                                       list(zip(cfg.reward_functions, cfg.reward_weights)))
+                                       list(zip(cfg.reward_functions, cfg.reward_weights)), template=cfg.prompt_template)
         if cfg.reward_isolation == "process": start_reward_workers(self.rewards)   # they boot while the rest loads
         correctness = any(s.fn is correctness_reward for s in self.rewards)
         self.prompts = PromptIterator(load_examples(cfg, cfg.train_split, check_gold=correctness), seed=cfg.seed)

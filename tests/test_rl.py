@@ -46,6 +46,15 @@ def test_beta_zero_builds_no_reference_model(tmp_path):
     assert moved
 
 
+def test_the_format_reward_is_the_prompt_templates(tmp_path):
+    """reward_functions=[correctness, format] scores the format the prompt asks for: with prompt_template=plain a
+    completion that ends "The answer is 7." is well formed (it has none of the gsm8k template's tags)."""
+    from maxpost.rewards import plain_format_reward, format_reward
+    by_name = lambda tr: {s.name: s.fn for s in tr.rewards}
+    assert by_name(RLTrainer(rl_cfg(tmp_path / "a", "prompt_template=plain")))["format"] is plain_format_reward
+    assert by_name(RLTrainer(rl_cfg(tmp_path / "b")))["format"] is format_reward
+
+
 def test_pi_old_is_the_policy_that_generated_the_rollouts(tmp_path):
     # mu = 2 passes over one mini-batch: the policy moves after the first pass
     cfg = rl_cfg(tmp_path, "num_iterations=2", "learning_rate=3e-3", "advantage_scale=none")
