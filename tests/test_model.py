@@ -360,7 +360,7 @@ def test_kernels_equal_blockwise_where_they_fit(impl):
     for c, (pos, seg, fits) in enumerate(cases):
         sp = Spans(*map(jnp.asarray, (pos, seg, pos, seg)))
         real = jnp.asarray(seg != 0)[:, :, None, None]
-        from maxpost.model import _one_sequence_rows, _contiguous_segments
+        from maxpost.attention import _one_sequence_rows, _contiguous_segments
         assert bool((_contiguous_segments if impl == "splash" else _one_sequence_rows)(sp)) == bool(fits)
         for window in [(None, 16)[c % 2]]:                                     # with and without a window, in turn
             vg = lambda i: jax.jit(jax.value_and_grad(lambda q, k, v: (attend(q, k, v, sp, 0.25, window=window, causal=True,
