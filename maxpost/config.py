@@ -13,10 +13,24 @@ from omegaconf import OmegaConf, MISSING
 from omegaconf.errors import OmegaConfBaseException
 
 # %% auto 0
-__all__ = ['DTYPES', 'CHOICES', 'POSITIVE', 'NON_NEGATIVE', 'INTERVALS', 'LORA_TARGETS', 'ALL_LINEAR', 'CONFIG_CLASSES',
-           'CONFIG_DIR', 'RunConfig', 'GenerationConfig', 'TrainConfig', 'SFTConfig', 'RLConfig', 'EvalConfig',
-           'choices', 'check_run_name', 'ConfigError', 'parse_target_modules', 'target_modules_problem', 'validate',
-           'default_base', 'parse_overrides', 'load_config', 'run_dir', 'to_yaml']
+__all__ = ['DTYPES', 'CONFIG_CLASSES', 'LORA_TARGETS', 'ALL_LINEAR', 'CONFIG_DIR', 'key', 'resumable_keys', 'RunConfig',
+           'QAConfig', 'GenerationConfig', 'TrainConfig', 'SFTConfig', 'RLConfig', 'EvalConfig', 'choices',
+           'value_problems', 'check_run_name', 'parse_target_modules', 'target_modules_problem', 'ConfigError',
+           'validate', 'default_base', 'parse_overrides', 'load_config', 'run_dir', 'to_yaml']
+
+# %% ../nbs/00_config.ipynb
+DTYPES = ("float32", "bfloat16")
+
+def key(default: Any = MISSING, *, positive: bool = False, non_negative: bool = False, interval: str | None = None,
+        choices: Sequence[str] | str | None = None, resumable: bool = False):
+    """A config field: its `default`, and in its metadata what `validate` checks and whether a resume may change it.
+    `interval` is written as in maths, "(0, 1]"; `choices` is the words, or "module:NAME" of the code that owns them."""
+    meta = dict(positive=positive, non_negative=non_negative, interval=interval, choices=choices, resumable=resumable)
+    return field(default=default, metadata={k: v for k, v in meta.items() if v})
+
+def resumable_keys(cls) -> tuple[str, ...]:
+    "The keys of config class (or config) `cls` that a resumed run may change: those declared `key(..., resumable=True)`."
+    return tuple(f.name for f in fields(cls) if f.metadata.get("resumable"))
 
 # %% ../nbs/00_config.ipynb
 @dataclass
@@ -34,17 +48,18 @@ class RunConfig:
     model_overrides: dict[str, Any] = field(default_factory=dict)
     load_parameters_path: str = ""
     tokenizer_path: str = ""  # "" = the tokenizer saved with the checkpoint
-    dtype: str = "float32"  # compute dtype
-    param_dtype: str = "float32"
-    attention: str = "auto"  # auto (cudnn on GPU, splash on TPU, else blockwise) | blockwise | cudnn | splash
-    # parallelism: mesh axis sizes, -1 = all remaining devices
-    data_parallelism: int = 1
-    fsdp_parallelism: int = -1
-    tensor_parallelism: int = 1
+    dtype: str = key("float32", choices=DTYPES)  # compute dtype
+    param_dtype: str = key("float32", choices=DTYPES)
+    # auto (cudnn on GPU, splash on TPU, else blockwise) | blockwise | cudnn | splash
+    attention: str = key("auto", choices="maxpost.model:ATTENTION_IMPLEMENTATIONS", resumable=True)
+    # parallelism: mesh axis sizes, -1 = all remaining devices (a resume may lay the same numbers out differently)
+    data_parallelism: int = key(1, resumable=True)
+    fsdp_parallelism: int = key(-1, resumable=True)
+    tensor_parallelism: int = key(1, resumable=True)
     # several processes (jax.distributed); empty / -1 = read the environment or run as one process
-    coordinator_address: str = ""
-    num_processes: int = -1
-    process_id: int = -1
+    coordinator_address: str = key("", resumable=True)
+    num_processes: int = key(-1, resumable=True)
+    process_id: int = key(-1, resumable=True)
     seed: int = 0
     # data: a hub name, a local directory or jsonl/parquet file(s); "" = the embedded task
     dataset_name: str = ""
@@ -52,134 +67,206 @@ class RunConfig:
     eval_dataset_name: str = ""  # "" = the held-out split of dataset_name
     eval_split: str = "test"
 
+    def problems(self) -> list[str]:
+        "What is wrong with this config, each problem a sentence naming its key; a subclass adds its keys' relations."
+        missing = [f.name for f in fields(self) if getattr(self, f.name) == MISSING]
+        out = [f"missing required value(s): {', '.join(missing)} (pass e.g. {missing[0]}=...)"] if missing else []
+        out += value_problems(self)
+        for name in ("data_parallelism", "fsdp_parallelism", "tensor_parallelism"):
+            v = getattr(self, name)
+            if v == 0 or v < -1: out.append(f"{name}={v} must be a positive size or -1 (all remaining devices)")
+        # an empty run_name passes where it is the class's default: that command names its own directory
+        empty_ok = next(f.default for f in fields(self) if f.name == "run_name") == ""
+        if self.run_name != MISSING and (p := check_run_name(self.run_name, empty_ok=empty_ok)): out.append(p)
+        return out
+
 
 @dataclass
-class GenerationConfig(RunConfig):
-    "What commands that generate from prompts add: the prompt, the sampler and the evaluation."
+class QAConfig(RunConfig):
+    "The columns of a question/answer dataset, which SFT (its question_answer format), RL and evaluation read."
     question_column: str = "question"
     answer_column: str = "answer"
+
+
+@dataclass
+class GenerationConfig(QAConfig):
+    "What commands that generate from prompts add: the prompt, the sampler and the evaluation."
     prompt_template: str = "gsm8k"  # a built-in name, or a template with {question}
-    max_prompt_length: int = 128
-    max_completion_length: int = 128
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    eval_num_prompts: int = 256  # 0 = the whole eval split
-    eval_k: int = 8  # samples per prompt for pass@k / maj@k; 0 = greedy only
+    max_prompt_length: int = key(128, positive=True)
+    max_completion_length: int = key(128, positive=True)
+    temperature: float = key(1.0, non_negative=True)
+    top_k: int = key(0, non_negative=True)
+    top_p: float = key(1.0, interval="(0, 1]")
+    eval_num_prompts: int = key(256, non_negative=True, resumable=True)  # 0 = the whole eval split
+    eval_k: int = key(8, non_negative=True, resumable=True)  # samples per prompt for pass@k / maj@k; 0 = greedy only
 
-
+# %% ../nbs/00_config.ipynb
 @dataclass
 class TrainConfig(RunConfig):
     "What training commands add: the optimizer and its schedule, memory, checkpoints and logging."
     train_split: str = "train"
     eval_on_train: bool = False  # allow the held-out split to be the training split (on purpose)
-    steps: int = 100
-    global_batch_size: int = 16
-    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step (less memory, same gradient)
-    learning_rate: float = 3e-4
-    lr_schedule: str = "cosine"
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    adam_b1: float = 0.9
-    adam_b2: float = 0.999
-    max_grad_norm: float = 1.0
+    steps: int = key(100, positive=True, resumable=True)
+    global_batch_size: int = key(16, positive=True)
+    # micro-batches per optimizer step (less memory, same gradient)
+    gradient_accumulation_steps: int = key(1, positive=True, resumable=True)
+    # the optimizer: a resume may change it
+    learning_rate: float = key(3e-4, positive=True, resumable=True)
+    lr_schedule: str = key("cosine", choices="maxpost.train:LR_SCHEDULES", resumable=True)
+    warmup_steps: int = key(10, non_negative=True, resumable=True)
+    weight_decay: float = key(0.0, non_negative=True, resumable=True)
+    adam_b1: float = key(0.9, interval="[0, 1)", resumable=True)
+    adam_b2: float = key(0.999, interval="[0, 1)", resumable=True)
+    max_grad_norm: float = key(1.0, positive=True, resumable=True)
     # memory
-    remat_policy: str = "auto"  # auto (the cheapest that fits) | none | minimal | full: recomputed in the backward
-    logits_chunk_size: int = 1024  # tokens per chunk of the output layer + loss; 0 = whole [B,T,V] logits
-    check_memory: bool = True  # compile the step first and stop if it cannot fit the device
+    # auto (the cheapest that fits) | none | minimal | full: recomputed in the backward
+    remat_policy: str = key("auto", choices="maxpost.train:REMAT_CHOICES", resumable=True)
+    # tokens per chunk of the output layer + loss; 0 = whole [B,T,V] logits
+    logits_chunk_size: int = key(1024, non_negative=True, resumable=True)
+    check_memory: bool = key(True, resumable=True)  # compile the step first and stop if it cannot fit the device
     # bookkeeping
-    log_period: int = 10
-    eval_interval: int = 0  # 0 = only at the end
-    checkpoint_period: int = 100
-    max_checkpoints_to_keep: int = 2
-    save_hf: bool = False  # also write a Hugging Face directory at the end (with LoRA: the merged model)
+    log_period: int = key(10, positive=True, resumable=True)
+    eval_interval: int = key(0, non_negative=True, resumable=True)  # 0 = only at the end
+    checkpoint_period: int = key(100, positive=True, resumable=True)
+    max_checkpoints_to_keep: int = key(2, positive=True, resumable=True)
+    save_hf: bool = key(False, resumable=True)  # also write a Hugging Face directory at the end (with LoRA: the merged model)
     # LoRA (chapter 03c_lora): train low-rank adapters on a frozen base; 0 = train every weight
-    lora_rank: int = 0
-    lora_alpha: float = 32.0  # the update is scaled by lora_alpha / lora_rank (/ sqrt(lora_rank) with rsLoRA)
+    lora_rank: int = key(0, non_negative=True)
+    # the update is scaled by lora_alpha / lora_rank (/ sqrt(lora_rank) with rsLoRA)
+    lora_alpha: float = key(32.0, positive=True)
     # all-linear, or projections joined by commas: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
     lora_target_modules: str = "all-linear"
     lora_dropout: float = 0.0  # only 0: maxpost applies no dropout to the adapters' input
     lora_use_rslora: bool = False  # scale by lora_alpha / sqrt(lora_rank) (Kalajdzievski, 2023)
     load_adapter_path: str = ""  # a peft adapter directory the adapters start from (same rank and targets)
-    save_adapter: bool = False  # also write the adapters as a peft directory {run_dir}/adapter at the end
+    # also write the adapters as a peft directory {run_dir}/adapter at the end
+    save_adapter: bool = key(False, resumable=True)
 
+    def batch_problems(self) -> list[str]:
+        "How the global batch splits into micro-batches."
+        B, A = self.global_batch_size, self.gradient_accumulation_steps
+        return [f"global_batch_size={B} must be a multiple of gradient_accumulation_steps={A}"] if B % max(A, 1) else []
 
+    def problems(self) -> list[str]:
+        "The run's problems, the batch's, and the LoRA keys': target names (`LORA_TARGETS`), dropout, keys that need a rank."
+        out = super().problems() + self.batch_problems()
+        if p := target_modules_problem(self.lora_target_modules): out.append(p)
+        if self.lora_dropout != 0:
+            out.append(f"lora_dropout={self.lora_dropout} is not supported: maxpost applies no dropout to the adapters; "
+                       "set lora_dropout=0")
+        if self.lora_rank == 0:
+            out += [f"{k}={getattr(self, k)!r} needs adapters: set lora_rank= (e.g. 8)"
+                    for k in ("load_adapter_path", "save_adapter") if getattr(self, k)]
+        return out
+
+# %% ../nbs/00_config.ipynb
 @dataclass
-class SFTConfig(TrainConfig):
+class SFTConfig(TrainConfig, QAConfig):
     "Supervised fine-tuning."
-    data_format: str = "auto"
+    data_format: str = key("auto", choices="maxpost.data:DATA_FORMATS")
     messages_column: str = "messages"
     prompt_column: str = "prompt"
     completion_column: str = "completion"
-    question_column: str = "question"
-    answer_column: str = "answer"
     text_column: str = "text"
-    train_on: str = "auto"  # auto (assistant / completion tokens) | all
-    max_target_length: int = 256
-    max_dropped_share: float = 0.5  # stop when more of the data is dropped (no target left after truncation)
+    train_on: str = key("auto", choices="maxpost.data:TRAIN_ON")  # auto (assistant / completion tokens) | all
+    max_target_length: int = key(256, positive=True)
+    # stop when more of the data is dropped (no target left after truncation)
+    max_dropped_share: float = key(0.5, interval="[0, 1]")
     packing: bool = True
-    z_loss: float = 0.0
-    eval_batches: int = 4
+    z_loss: float = key(0.0, non_negative=True)
+    eval_batches: int = key(4, positive=True, resumable=True)
 
-
+# %% ../nbs/00_config.ipynb
 @dataclass
 class RLConfig(TrainConfig, GenerationConfig):
     "Reinforcement learning with group-relative policy optimisation (GRPO, GSPO)."
-    num_generations: int = 8
-    loss_algo: str = "grpo"
-    epsilon_low: Optional[float] = None  # None = the algorithm's default
-    epsilon_high: Optional[float] = None
-    beta: float = 0.0
-    kl_estimator: str = "k3"
-    loss_agg_mode: Optional[str] = None  # None = the algorithm's default
-    advantage_scale: str = "group"
-    num_iterations: int = 1  # mu: passes over each rollout batch
-    mini_batch_size: int = 0  # rows per optimizer step within a rollout batch (whole groups); 0 = all
+    num_generations: int = key(8, positive=True)
+    loss_algo: str = key("grpo", choices="maxpost.policy_loss:LOSS_ALGOS")
+    epsilon_low: Optional[float] = key(None, non_negative=True)  # None = the algorithm's default
+    epsilon_high: Optional[float] = key(None, non_negative=True)
+    beta: float = key(0.0, non_negative=True)
+    kl_estimator: str = key("k3", choices="maxpost.policy_loss:KL_ESTIMATORS")
+    # None = the algorithm's default
+    loss_agg_mode: Optional[str] = key(None, choices="maxpost.policy_loss:LOSS_AGG_CHOICES")
+    advantage_scale: str = key("group", choices="maxpost.advantages:SCALES")
+    num_iterations: int = key(1, positive=True)  # mu: passes over each rollout batch
+    # rows per optimizer step within a rollout batch (whole groups); 0 = all
+    mini_batch_size: int = key(0, non_negative=True)
     reward_functions: list[str] = field(default_factory=lambda: ["correctness", "format"])
     reward_weights: list[float] = field(default_factory=lambda: [1.0, 0.1])
-    reward_timeout_s: float = 10.0  # a reward call past it scores 0 (its worker process is restarted)
-    reward_isolation: str = "process"  # process: a worker process per function (a timeout stops it) | thread
-    rollout_engine: str = "maxpost"
+    # a reward call past it scores 0 (its worker process is restarted)
+    reward_timeout_s: float = key(10.0, positive=True, resumable=True)
+    # process: a worker process per function (a timeout stops it) | thread
+    reward_isolation: str = key("process", choices="maxpost.rewards:REWARD_ISOLATION")
+    rollout_engine: str = key("maxpost", choices="maxpost.rl:ROLLOUT_ENGINES")
 
+    def batch_problems(self) -> list[str]:
+        "Groups, mini-batches of whole groups, micro-batches of whole groups (instead of `TrainConfig`'s split)."
+        out, G, B, A = [], self.num_generations, self.global_batch_size, self.gradient_accumulation_steps
+        if G == 1: out.append("num_generations=1 makes every group-relative advantage 0 (a group of one is its own "
+                              "mean), so nothing is learned; use num_generations >= 2")
+        if G > 0 and B % G: out.append(f"global_batch_size={B} must be a multiple of num_generations={G} (each prompt "
+                                       "gets num_generations completions)")
+        mb = self.mini_batch_size or B
+        if G > 0 and mb and (mb % G or B % mb):
+            out.append(f"mini_batch_size={self.mini_batch_size} must be whole groups (a multiple of num_generations={G}) "
+                       f"that divide global_batch_size={B}")
+        elif G > 0 and mb and A and (mb // G) % A:
+            out.append(f"gradient_accumulation_steps={A} must divide the {mb // G} groups "
+                       "of a mini-batch (each micro-batch holds whole groups)")
+        return out
 
+    def problems(self) -> list[str]:
+        "`TrainConfig`'s problems (with the group checks) and one weight per reward function."
+        out = super().problems()
+        if len(self.reward_functions) != len(self.reward_weights):
+            out.append(f"reward_functions has {len(self.reward_functions)} entries but reward_weights has "
+                       f"{len(self.reward_weights)}; give one weight per function")
+        return out
+
+# %% ../nbs/00_config.ipynb
 @dataclass
 class EvalConfig(GenerationConfig):
     "Evaluating a checkpoint: pass@1, pass@k, maj@k and format rate on held-out prompts."
     run_name: str = ""  # "" = eval-<checkpoint>, next to the runs under base_output_directory
 
-# %% ../nbs/00_config.ipynb
-DTYPES = ("float32", "bfloat16")
 
-CHOICES = {   # key -> the tuple of valid words, or "module:NAME" of the code that owns the list
-    "dtype": DTYPES, "param_dtype": DTYPES,
-    "remat_policy": "maxpost.train:REMAT_CHOICES", "attention": "maxpost.model:ATTENTION_IMPLEMENTATIONS",
-    "lr_schedule": "maxpost.train:LR_SCHEDULES",
-    "data_format": "maxpost.data:DATA_FORMATS", "train_on": "maxpost.data:TRAIN_ON",
-    "loss_algo": "maxpost.policy_loss:LOSS_ALGOS", "kl_estimator": "maxpost.policy_loss:KL_ESTIMATORS",
-    "loss_agg_mode": "maxpost.policy_loss:LOSS_AGG_CHOICES", "advantage_scale": "maxpost.advantages:SCALES",
-    "rollout_engine": "maxpost.rl:ROLLOUT_ENGINES", "reward_isolation": "maxpost.rewards:REWARD_ISOLATION",
-}
+CONFIG_CLASSES = {"sft": SFTConfig, "rl": RLConfig, "eval": EvalConfig}   # the command -> its config class
 
 # %% ../nbs/00_config.ipynb
-def choices(key: str) -> tuple[str, ...]:
-    "The valid words of config key `key` (imported from the module that owns the list)."
-    spec = CHOICES[key]
+def _words(spec) -> tuple[str, ...]:
     if not isinstance(spec, str): return tuple(spec)
     module, name = spec.split(":")
     return tuple(getattr(importlib.import_module(module), name))
 
-# %% ../nbs/00_config.ipynb
-POSITIVE = ("steps", "global_batch_size", "gradient_accumulation_steps", "log_period", "checkpoint_period",
-            "max_checkpoints_to_keep", "max_target_length", "num_generations", "max_prompt_length",
-            "max_completion_length", "num_iterations", "eval_batches", "learning_rate", "max_grad_norm",
-            "reward_timeout_s", "lora_alpha")
-NON_NEGATIVE = ("lora_rank", "eval_k", "eval_num_prompts", "eval_interval", "warmup_steps", "weight_decay", "beta", "z_loss",
-                "epsilon_low", "epsilon_high", "mini_batch_size", "temperature", "top_k", "logits_chunk_size")
-INTERVALS = {"adam_b1": (0.0, 1.0, "[0, 1)"), "adam_b2": (0.0, 1.0, "[0, 1)"), "top_p": (0.0, 1.0, "(0, 1]"),
-             "max_dropped_share": (0.0, 1.0, "[0, 1]")}
+def choices(name: str, cls=None) -> tuple[str, ...]:
+    "The valid words of config key `name` of `cls` (default: the command config that has it), from the module that owns them."
+    for c in [cls] if cls is not None else CONFIG_CLASSES.values():
+        for f in fields(c):
+            if f.name == name and "choices" in f.metadata: return _words(f.metadata["choices"])
+    raise KeyError(f"config key {name!r} takes no list of words")
 
-def _in_interval(v: float, lo: float, hi: float, spec: str) -> bool:
+# %% ../nbs/00_config.ipynb
+def _in_interval(v: float, spec: str) -> bool:
+    lo, hi = (float(x) for x in spec[1:-1].split(","))
     return (v >= lo if spec[0] == "[" else v > lo) and (v <= hi if spec[-1] == "]" else v < hi)
+
+def _suggest(word: str, options: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, list(options), n=3, cutoff=0.6)
+    return f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+def value_problems(cfg) -> list[str]:
+    "Words outside their list and numbers out of range, as each field's `key(...)` declares them."
+    out = []
+    for f in fields(cfg):
+        v, m = getattr(cfg, f.name), f.metadata
+        if not m or v is None or v == MISSING: continue
+        if "choices" in m and v not in (words := _words(m["choices"])):
+            out.append(f"{f.name}={v!r} is not one of {', '.join(words)}.{_suggest(str(v), words)}")
+        if m.get("positive") and v <= 0: out.append(f"{f.name}={v} must be > 0")
+        if m.get("non_negative") and v < 0: out.append(f"{f.name}={v} must be >= 0")
+        if "interval" in m and not _in_interval(v, m["interval"]): out.append(f"{f.name}={v} must be in {m['interval']}")
+    return out
 
 # %% ../nbs/00_config.ipynb
 def check_run_name(name: str, *, empty_ok: bool = False) -> str | None:
@@ -189,52 +276,6 @@ def check_run_name(name: str, *, empty_ok: bool = False) -> str | None:
         return (f"run_name={name!r} is not a name: it must be non-empty, without '/' or '\\', and not '.' or '..' "
                 f"(runs live in base_output_directory/run_name)")
     return None
-
-# %% ../nbs/00_config.ipynb
-class ConfigError(ValueError):
-    "A run configuration that cannot be used; the message says which key and how to fix it."
-
-def _suggest(word: str, options: Sequence[str]) -> str:
-    close = difflib.get_close_matches(word, list(options), n=3, cutoff=0.6)
-    return f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-
-# %% ../nbs/00_config.ipynb
-def _value_problems(cfg: RunConfig) -> list[str]:
-    "Words outside their list and numbers out of range."
-    out = []
-    for f in fields(cfg):
-        v = getattr(cfg, f.name)
-        if v is None or v == MISSING: continue
-        if f.name in CHOICES and v not in choices(f.name):
-            out.append(f"{f.name}={v!r} is not one of {', '.join(choices(f.name))}.{_suggest(str(v), choices(f.name))}")
-        if f.name in POSITIVE and v <= 0: out.append(f"{f.name}={v} must be > 0")
-        if f.name in NON_NEGATIVE and v < 0: out.append(f"{f.name}={v} must be >= 0")
-        if f.name in INTERVALS and not _in_interval(v, *INTERVALS[f.name]):
-            out.append(f"{f.name}={v} must be in {INTERVALS[f.name][2]}")
-    for name in ("data_parallelism", "fsdp_parallelism", "tensor_parallelism"):
-        v = getattr(cfg, name)
-        if v == 0 or v < -1: out.append(f"{name}={v} must be a positive size or -1 (all remaining devices)")
-    return out
-
-# %% ../nbs/00_config.ipynb
-def _rl_problems(cfg: RLConfig) -> list[str]:
-    "The relations between RL keys: groups, mini-batches, micro-batches, reward weights."
-    out, G, B = [], cfg.num_generations, cfg.global_batch_size
-    if G == 1: out.append("num_generations=1 makes every group-relative advantage 0 (a group of one is its own "
-                          "mean), so nothing is learned; use num_generations >= 2")
-    if G > 0 and B % G: out.append(f"global_batch_size={B} must be a multiple of num_generations={G} (each prompt "
-                                   "gets num_generations completions)")
-    mb = cfg.mini_batch_size or B
-    if G > 0 and (mb % G or B % mb):
-        out.append(f"mini_batch_size={cfg.mini_batch_size} must be whole groups (a multiple of num_generations={G}) "
-                   f"that divide global_batch_size={B}")
-    elif G > 0 and (mb // G) % cfg.gradient_accumulation_steps:
-        out.append(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} must divide the {mb // G} groups "
-                   "of a mini-batch (each micro-batch holds whole groups)")
-    if len(cfg.reward_functions) != len(cfg.reward_weights):
-        out.append(f"reward_functions has {len(cfg.reward_functions)} entries but reward_weights has "
-                   f"{len(cfg.reward_weights)}; give one weight per function")
-    return out
 
 # %% ../nbs/00_config.ipynb
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -257,36 +298,16 @@ def target_modules_problem(spec) -> str | None:
     return None
 
 # %% ../nbs/00_config.ipynb
-def _lora_problems(cfg: TrainConfig) -> list[str]:
-    "The LoRA keys: target names (`LORA_TARGETS`), dropout, and the keys that need a rank."
-    out = [p] if (p := target_modules_problem(cfg.lora_target_modules)) else []
-    if cfg.lora_dropout != 0:
-        out.append(f"lora_dropout={cfg.lora_dropout} is not supported: maxpost applies no dropout to the adapters; "
-                   "set lora_dropout=0")
-    if cfg.lora_rank == 0:
-        out += [f"{k}={getattr(cfg, k)!r} needs adapters: set lora_rank= (e.g. 8)"
-                for k in ("load_adapter_path", "save_adapter") if getattr(cfg, k)]
-    return out
+class ConfigError(ValueError):
+    "A run configuration that cannot be used; the message says which key and how to fix it."
 
 # %% ../nbs/00_config.ipynb
 def validate(cfg: RunConfig) -> RunConfig:
     "Check required values, word choices, ranges and the relations between keys; raise `ConfigError` naming every problem."
-    missing = [f.name for f in fields(cfg) if getattr(cfg, f.name) == MISSING]
-    problems = [f"missing required value(s): {', '.join(missing)} (pass e.g. {missing[0]}=...)"] if missing else []
-    problems += _value_problems(cfg)
-    if cfg.run_name != MISSING and (p := check_run_name(cfg.run_name, empty_ok=isinstance(cfg, EvalConfig))):
-        problems.append(p)
-    if isinstance(cfg, TrainConfig) and cfg.global_batch_size % max(cfg.gradient_accumulation_steps, 1) \
-            and not isinstance(cfg, RLConfig):
-        problems.append(f"global_batch_size={cfg.global_batch_size} must be a multiple of "
-                        f"gradient_accumulation_steps={cfg.gradient_accumulation_steps}")
-    if isinstance(cfg, RLConfig): problems += _rl_problems(cfg)
-    if isinstance(cfg, TrainConfig): problems += _lora_problems(cfg)
-    if problems: raise ConfigError(f"{type(cfg).__name__}: " + "; ".join(problems))
+    if problems := cfg.problems(): raise ConfigError(f"{type(cfg).__name__}: " + "; ".join(problems))
     return cfg
 
 # %% ../nbs/00_config.ipynb
-CONFIG_CLASSES = {"sft": SFTConfig, "rl": RLConfig, "eval": EvalConfig}
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" if "__file__" in globals() else Path("../configs").resolve()
 
 def default_base(kind: str) -> Optional[Path]:

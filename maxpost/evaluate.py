@@ -226,7 +226,7 @@ def run_evaluation(cfg: RunConfig, *, progress: bool = False) -> dict:
             res = evaluate(s.model, s.tokenizer, examples, return_completions=True, **eval_options(cfg))
         completions, step = res.pop("completions"), _checkpoint_step(cfg.load_parameters_path)
         if primary:
-            log = MetricsLogger(out_dir, total_steps=1, progress=progress)   # a new evaluation replaces the last one
+            log = MetricsLogger(out_dir, total_steps=1, progress=progress, show=("pass@1",))   # a new evaluation replaces the last one
             log.log(step, {**res, "load_parameters_path": cfg.load_parameters_path}, kind="eval"); log.close()
             record = {"load_parameters_path": cfg.load_parameters_path, "step": step, "metrics": res,
                       "settings": {"num_prompts": len(examples), **eval_options(cfg),

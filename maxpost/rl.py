@@ -184,6 +184,7 @@ def make_rl_step(graphdef, tx, loss_kwargs: dict, temperature: float, num_genera
 class RLTrainer(Trainer):
     "GRPO / GSPO: rollout -> rewards -> group-relative advantages -> π_old / π_ref log-probs -> μ passes of mini-batch updates."
     kind, eval_at_start = "rl", True
+    progress_keys = ("loss", "reward", "pass@1")
 
     def __init__(self, cfg: RLConfig, *, reward_fns=None, engine: RolloutEngine | None = None):
         super().__init__(cfg)

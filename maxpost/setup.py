@@ -6,7 +6,7 @@
 from __future__ import annotations
 import dataclasses, fcntl, json, math, os, shutil, signal, socket, sys, time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
@@ -281,9 +281,11 @@ def read_metrics(directory, kind: str | None = None) -> list[dict]:
 # %% ../nbs/07b_setup.ipynb
 class MetricsLogger:
     "Append metrics to `{directory}/metrics.jsonl` and TensorBoard; show a tqdm progress bar. Records past `initial_step` (from before a resume) are dropped first."
-    def __init__(self, directory, total_steps: int, initial_step: int = 0, desc: str = "train", progress: bool = True):
+    def __init__(self, directory, total_steps: int, initial_step: int = 0, desc: str = "train", progress: bool = True,
+                 show: Sequence[str] = ("loss",)):
         from tqdm.auto import tqdm
         self.primary, self.path, self.tb = jax.process_index() == 0, Path(directory) / "metrics.jsonl", None
+        self.show = tuple(show)   # the metrics the bar shows (each kind names its own: a trainer's `progress_keys`)
         if self.primary:
             Path(directory).mkdir(parents=True, exist_ok=True)
             if self.path.exists():   # a resume redoes the steps after `initial_step`; a new run starts empty
@@ -304,7 +306,7 @@ class MetricsLogger:
             if self.tb is not None:
                 for k, v in rec.items():
                     if isinstance(v, (int, float)) and k != "step": self.tb.add_scalar(f"{kind}/{k}", v, step)
-            show = {k: f"{v:.4g}" for k, v in rec.items() if k in ("loss", "reward", "eval_loss", "pass@1") and isinstance(v, float)}
+            show = {k: f"{v:.4g}" for k, v in rec.items() if k in self.show and isinstance(v, float)}
             if show: self.bar.set_postfix(show, refresh=False)
         return rec
 

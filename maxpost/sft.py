@@ -96,6 +96,7 @@ def _check_batch(cfg: SFTConfig, mesh) -> None:
 class SFTTrainer(Trainer):
     "SFT: packed demonstrations through one jitted, donated step with gradient accumulation; evaluation by held-out loss."
     kind, summary_keys = "sft", ("loss", "mean_token_accuracy")
+    progress_keys = ("loss", "eval_loss")
 
     def __init__(self, cfg: SFTConfig, *, progress: bool = True):
         super().__init__(cfg)

@@ -6,13 +6,13 @@
 from __future__ import annotations
 import dataclasses, fcntl, json, math, os, shutil, signal, socket, sys, time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
 from omegaconf import OmegaConf
 
-from .config import RunConfig, TrainConfig, ConfigError, load_config, run_dir, to_yaml
+from .config import RunConfig, TrainConfig, ConfigError, load_config, resumable_keys, run_dir, to_yaml
 from . import sharding, tasks, model as mm
 from .checkpoint import checkpoint_manager, save_limit_gb, save_state, restore_state
 from .setup import (make_run_mesh, model_options, set_model_options, model_config_for, is_hf_dir, find_run_checkpoint,
@@ -22,11 +22,10 @@ from .setup import (make_run_mesh, model_options, set_model_options, model_confi
                            read_metrics, MetricsLogger, as_scalar, split_base, run_command)
 
 # %% auto 0
-__all__ = ['LR_SCHEDULES', 'RESUMABLE_KEYS', 'PEAK_BF16_FLOPS', 'REMAT_CHOICES', 'make_schedule', 'make_optimizer', 'on_mesh',
-           'init_opt_state', 'all_finite', 'check_finite', 'config_changes', 'check_resume', 'precheck_run_dir',
-           'RunCheckpoints', 'StopSignal', 'RunStopped', 'flops_per_token', 'device_peak_flops', 'StepCompiler',
-           'memory_needed', 'device_memory', 'MemoryShortfall', 'check_memory', 'Trainer', 'print_summary',
-           'train_command']
+__all__ = ['LR_SCHEDULES', 'PEAK_BF16_FLOPS', 'REMAT_CHOICES', 'make_schedule', 'make_optimizer', 'on_mesh', 'init_opt_state',
+           'all_finite', 'check_finite', 'config_changes', 'check_resume', 'precheck_run_dir', 'RunCheckpoints',
+           'StopSignal', 'RunStopped', 'flops_per_token', 'device_peak_flops', 'StepCompiler', 'memory_needed',
+           'device_memory', 'MemoryShortfall', 'check_memory', 'Trainer', 'print_summary', 'train_command']
 
 # %% ../nbs/08_train.ipynb
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -83,20 +82,11 @@ def check_finite(step: int, loss: float, params_finite, latest_checkpoint: int |
                              f"check the data")
 
 # %% ../nbs/08_train.ipynb
-RESUMABLE_KEYS = ("steps", "log_period", "eval_interval", "checkpoint_period", "max_checkpoints_to_keep", "save_hf",
-                  "eval_num_prompts", "eval_k", "eval_batches", "reward_timeout_s", "check_memory",
-                  # the optimizer may change: lowering learning_rate after a divergence is how a run is rescued
-                  "learning_rate", "lr_schedule", "warmup_steps", "weight_decay", "adam_b1", "adam_b2", "max_grad_norm",
-                  # the layout on devices and in memory: the same numbers, computed differently
-                  "coordinator_address", "num_processes", "process_id", "data_parallelism", "fsdp_parallelism",
-                  "tensor_parallelism", "remat_policy", "logits_chunk_size", "attention", "gradient_accumulation_steps",
-                  "save_adapter")
-
-def config_changes(old: dict, new: dict) -> tuple[dict, dict]:
-    "`(breaking, allowed)` changes `{key: (old, new)}` between two configs as dicts (keys in both)."
+def config_changes(old: dict, new: dict, resumable: Sequence[str]) -> tuple[dict, dict]:
+    "`(breaking, allowed)` changes `{key: (old, new)}` between two configs as dicts (keys in both); `resumable` keys may change."
     changed = {k: (old[k], new[k]) for k in new if k in old and old[k] != new[k]}
-    breaking = {k: v for k, v in changed.items() if k not in RESUMABLE_KEYS}
-    return breaking, {k: v for k, v in changed.items() if k in RESUMABLE_KEYS}
+    breaking = {k: v for k, v in changed.items() if k not in resumable}
+    return breaking, {k: v for k, v in changed.items() if k in resumable}
 
 # %% ../nbs/08_train.ipynb
 def _as_dict(cfg: RunConfig) -> dict:
@@ -104,13 +94,14 @@ def _as_dict(cfg: RunConfig) -> dict:
 
 def check_resume(directory, cfg: RunConfig, step: int) -> dict:
     "Refuse a resume whose config changes a key that would break the run; record the allowed changes."
-    breaking, allowed = config_changes(effective_config(directory), _as_dict(cfg))
+    breaking, allowed = config_changes(effective_config(directory), _as_dict(cfg), resumable_keys(cfg))
     if breaking:
         diff = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in breaking.items())
         raise ConfigError(f"run {directory} resumes at step {step} but these keys differ from the run's config "
                           f"({Path(directory) / 'config.yml'}): {diff}. Put them back, or start a new run with "
-                          "another run_name (a resume may change only maxpost.train.RESUMABLE_KEYS: the number of steps, the "
-                          "cadences, the optimizer's settings and the layout on devices)")
+                          "another run_name (a resume may change only the keys its config class marks resumable, "
+                          f"maxpost.config.resumable_keys({type(cfg).__name__}): the number of steps, the cadences, the "
+                          "optimizer's settings and the layout on devices)")
     if allowed:
         rec = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changed": {k: list(v) for k, v in allowed.items()}}
         with open(Path(directory) / "config_history.jsonl", "a") as f: f.write(json.dumps(rec) + "\n")
@@ -123,7 +114,7 @@ def precheck_run_dir(cfg: RunConfig) -> None:
     if jax.process_index() != 0 or not d.exists(): return
     with RunLock(d): pass
     if (d / "config.yml").exists() and any(p.name.isdigit() for p in (d / "checkpoints").glob("*")):
-        breaking, _ = config_changes(effective_config(d), _as_dict(cfg))
+        breaking, _ = config_changes(effective_config(d), _as_dict(cfg), resumable_keys(cfg))
         if breaking: check_resume(d, cfg, -1)   # raises, naming the keys
 
 # %% ../nbs/08_train.ipynb
@@ -281,6 +272,7 @@ REMAT_CHOICES = ("auto", *mm.REMAT_POLICIES)   # what a config may say (chapter 
 class Trainer:
     "The train state and the loop SFT and RL share; a subclass defines `train_step`, `evaluate` and its data state."
     kind, eval_at_start, summary_keys = "train", False, ("loss",)
+    progress_keys = ("loss",)   # the metrics the progress bar shows; a kind adds its own (eval_loss, reward, pass@1)
 
     def __init__(self, cfg: TrainConfig):
         precheck_run_dir(cfg)
@@ -368,7 +360,8 @@ def _fit(tr: Trainer, progress: bool) -> dict:
     cfg, where = tr.cfg, run_dir(tr.cfg) / "checkpoints"
     ckpts = RunCheckpoints(cfg, tr.model_cfg, tr.tok_dir, save_concurrent_gb=save_limit_gb(tr.params, tr.opt_state))
     _resume(tr, ckpts)
-    log = MetricsLogger(run_dir(cfg), cfg.steps, tr.step, desc=f"{tr.kind} {cfg.run_name}", progress=progress)
+    log = MetricsLogger(run_dir(cfg), cfg.steps, tr.step, desc=f"{tr.kind} {cfg.run_name}", progress=progress,
+                        show=tr.progress_keys)
     meta = lambda: {"data": tr.data_state(), "seed": cfg.seed, **({"lora_base": tr.lora_base} if tr.lora_base else {})}
     save = lambda: (ckpts.save(tr.step, tr.params, tr.opt_state, meta()),
                     setattr(tr, "latest_checkpoint", tr.step))
