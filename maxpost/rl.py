@@ -189,7 +189,7 @@ class RLTrainer(Trainer):
         self.reference = None                  # π_ref (only when beta > 0): the initial weights; with LoRA, the base (adapters off)
         if cfg.beta > 0:
             self.reference = ReferencePolicy(self.params, self.rest, lambda *a: self.run_step("logps_fn", *a),
-                                             lora=self.lora_base is not None)
+                                             weights=self.weights)
         self.rewards = as_reward_specs(reward_fns if reward_fns is not None else
                                        list(zip(cfg.reward_functions, cfg.reward_weights)), template=cfg.prompt_template)
         if cfg.reward_isolation == "process": start_reward_workers(self.rewards)   # they boot while the rest loads

@@ -47,8 +47,10 @@ def make_update_step(graphdef, tx: optax.GradientTransformation, micro_loss: Cal
 # %% ../nbs/08b_step.ipynb
 class ReferencePolicy:
     "π_ref: the trainable weights as they were at the start (a copy; under LoRA the adapters off, sharing the frozen base) and their log-probs through `logps_fn(params, rest, batch)`."
-    def __init__(self, params, rest, logps_fn: Callable, *, lora: bool = False):
-        self.params = adapters_off(params) if lora else jax.tree.map(jnp.copy, params)
+    def __init__(self, params, rest, logps_fn: Callable, *, lora: bool = False, weights=None):
+        "`weights` (a `maxpost.weights.TrainableWeights`, as a `Trainer` holds) decides copy or adapters off; without it, `lora` does."
+        if weights is not None: lora, self.params = weights.lora, weights.reference_params(params)
+        else: self.params = adapters_off(params) if lora else jax.tree.map(jnp.copy, params)
         self.rest, self.logps_fn, self.lora = rest, logps_fn, lora
 
     def logps(self, batch):

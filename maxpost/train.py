@@ -20,6 +20,7 @@ from .setup import (make_run_mesh, model_options, set_model_options, model_confi
                            lora_run_config, load_lora_run, embedded_task_dir, embedded_split, eval_source,
                            check_held_out, tokenizer_dir, check_vocab, effective_config, Setup, setup_run, RunLocked, RunLock,
                            read_metrics, MetricsLogger, as_scalar, split_base, run_command)
+from .weights import TrainableWeights, trainable_weights
 
 # %% auto 0
 __all__ = ['LR_SCHEDULES', 'PEAK_BF16_FLOPS', 'REMAT_CHOICES', 'make_schedule', 'make_optimizer', 'on_mesh', 'init_opt_state',
@@ -278,12 +279,16 @@ class Trainer:
         precheck_run_dir(cfg)
         self.cfg, s = cfg, setup_run(cfg)
         self.mesh, self.tokenizer, self.tok_dir, self.model_cfg = s.mesh, s.tokenizer, s.tokenizer_dir, s.model.cfg
-        self.lora_base = None                         # with LoRA: where the frozen base came from
-        if lora_options(cfg) is None: self.graphdef, self.params, self.rest = nnx.split(s.model, nnx.Param, ...)
-        else: self.graphdef, self.params, self.rest, self.lora_base = attach_adapters(cfg, s.model, self.mesh)
+        self.weights: TrainableWeights = trainable_weights(cfg, self.mesh)   # every weight, or LoRA (07c_weights)
+        self.graphdef, self.params, self.rest = self.weights.split(s.model)
         self.tx, self.schedule = make_optimizer(cfg), make_schedule(cfg)
         self.opt_state = init_opt_state(self.tx, self.params, self.mesh)
         self.step, self.latest_checkpoint, self.flops_per_token = 0, None, None
+
+    @property
+    def lora_base(self) -> dict | None:
+        "With LoRA, where the frozen base came from (what each checkpoint records); None when every weight trains."
+        return self.weights.checkpoint_meta().get("lora_base")
 
     @property
     def model(self) -> nnx.Module:
@@ -331,7 +336,7 @@ def _resume(tr: Trainer, ckpts: RunCheckpoints) -> None:
     restored = ckpts.restore_latest(tr.params, tr.opt_state)
     if restored is None: return
     tr.params, tr.opt_state, meta = restored
-    if tr.lora_base is not None: check_lora_base(meta.get("lora_base"), tr.lora_base, ckpts.dir / "checkpoints")
+    tr.weights.check_restore(meta, ckpts.dir / "checkpoints")
     tr.restore_data(meta["data"]); tr.step = tr.latest_checkpoint = int(meta["step"])
     tr.after_restore()
 
@@ -342,17 +347,6 @@ def _throughput(tr: Trainer, tokens: float, seconds: float, steps: int) -> dict:
     if tokens and tr.flops_per_token and peak: out["mfu"] = tokens * tr.flops_per_token / seconds / peak
     return out
 
-def _export_hf(tr: Trainer) -> None:
-    "`save_hf` (with LoRA: the merged model) and/or `save_adapter` (peft's format) into the run directory."
-    from maxpost.checkpoint import save_hf
-    from maxpost.lora import save_merged_hf, save_adapter
-    cfg, d = tr.cfg, run_dir(tr.cfg)
-    if cfg.save_hf:
-        (save_hf if tr.lora_base is None else save_merged_hf)(tr.model, d / "hf")
-        tr.tokenizer.save_pretrained(d / "hf")
-    if cfg.save_adapter:
-        save_adapter(tr.model, d / "adapter", cfg.load_parameters_path or cfg.model_name)
-        tr.tokenizer.save_pretrained(d / "adapter")
 
 # %% ../nbs/08_train.ipynb
 def _fit(tr: Trainer, progress: bool) -> dict:
@@ -362,7 +356,7 @@ def _fit(tr: Trainer, progress: bool) -> dict:
     _resume(tr, ckpts)
     log = MetricsLogger(run_dir(cfg), cfg.steps, tr.step, desc=f"{tr.kind} {cfg.run_name}", progress=progress,
                         show=tr.progress_keys)
-    meta = lambda: {"data": tr.data_state(), "seed": cfg.seed, **({"lora_base": tr.lora_base} if tr.lora_base else {})}
+    meta = lambda: {"data": tr.data_state(), "seed": cfg.seed, **tr.weights.checkpoint_meta()}
     save = lambda: (ckpts.save(tr.step, tr.params, tr.opt_state, meta()),
                     setattr(tr, "latest_checkpoint", tr.step))
     last, final, window = {}, {}, [time.perf_counter(), 0.0, 0]     # [start, tokens, steps] since the last log
@@ -386,7 +380,8 @@ def _fit(tr: Trainer, progress: bool) -> dict:
             if final: log.log(tr.step, final, kind="eval")
     finally:
         log.close(); ckpts.close(); tr.close()
-    if (cfg.save_hf or cfg.save_adapter) and jax.process_index() == 0: _export_hf(tr)
+    if (cfg.save_hf or cfg.save_adapter) and jax.process_index() == 0:
+        tr.weights.export(tr.model, cfg, tr.tokenizer, run_dir(cfg))   # with LoRA: the merged model, the adapter
     return {"step": tr.step, **{k: last[k] for k in tr.summary_keys if k in last}, **final}
 
 # %% ../nbs/08_train.ipynb

@@ -143,8 +143,9 @@ def test_rl_reference_is_the_base_without_a_copy(tmp_path):
     b = tr.rollout()["batch"]
     dev = sharding.shard_batch(b, tr.mesh)
     with jax.set_mesh(tr.mesh):
-        ref = np.asarray(tr.logps_fn(tr.ref_params, tr.rest, dev))
+        ref = np.asarray(tr.reference.logps(dev))                         # what the update step is given
         policy = np.asarray(tr.logps_fn(tr.params, tr.rest, dev))
+    assert all(a is b for a, b in zip(jax.tree.leaves(tr.reference.rest), jax.tree.leaves(tr.rest)))   # the base is shared
     plain = create_model(tr.model_cfg, seed=cfg.seed)                     # the same preset and seed, no adapters
     want = np.asarray(completion_logps(plain, b["prompt_ids"], b["prompt_mask"], b["completion_ids"],
                                        b["completion_mask"], cfg.temperature))
@@ -211,3 +212,15 @@ def test_fresh_adapters_leave_the_model_unchanged():
         for n in LORA_TARGETS:
             lora = getattr(getattr(layer, "attn" if n in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"), f"{n}_lora")
             assert not np.asarray(lora.b[...]).any() and np.asarray(lora.a[...]).any(), n
+
+
+def test_the_loop_and_the_kinds_do_not_branch_on_lora():
+    "LoRA is the business of `Trainer.weights` (chapter 07c_weights): the loop, resume, export and the RL reference ask it."
+    import inspect
+    from maxpost import train, rl, sft
+    for fn in (train.Trainer.__init__, train._resume, train._fit, rl.RLTrainer.__init__, rl.RLTrainer._update,
+               sft.SFTTrainer.__init__):
+        src = inspect.getsource(fn)
+        for name in ("lora_base", "lora_options", "attach_adapters", "check_lora_base", "adapters_off", "lora_rank",
+                     "save_merged_hf", "zeros_like"):
+            assert name not in src, f"{fn.__qualname__} uses {name}: it branches on LoRA itself\n{src}"
