@@ -20,7 +20,8 @@ from .sft_loss import LOGITS_CHUNK_SIZE
 from .prompts import prompt_token_ids, stop_token_ids
 from .evaluate import load_examples, load_eval_examples, evaluate, eval_options
 from .setup import check_held_out
-from .train import Trainer, all_finite, train_command
+from .train import Trainer, train_command
+from .step import make_update_step, ReferencePolicy
 
 # %% auto 0
 __all__ = ['DEFAULT_EPSILONS', 'ROLLOUT_ENGINES', 'resolve_epsilons', 'loss_options', 'PromptIterator', 'RolloutEngine',
@@ -157,28 +158,21 @@ _COMBINE = {"ratio/min": jnp.min, "ratio/max": jnp.max}   # every other metric i
 def make_rl_step(graphdef, tx, loss_kwargs: dict, temperature: float, num_generations: int = 1, accum: int = 1,
                  chunk_size: int | None = LOGITS_CHUNK_SIZE):
     "Jitted `step(params, rest, opt_state, batch) -> (params, opt_state, metrics)` on `policy_loss`, summing `accum` micro-batches of whole groups."
-    def loss_fn(params, rest, m, counts):
-        logps, entropy = completion_logps(nnx.merge(graphdef, params, rest), m["prompt_ids"], m["prompt_mask"],
-                                          m["completion_ids"], m["completion_mask"], temperature, num_generations,
-                                          chunk_size=chunk_size, with_entropy=True)
+    def micro_loss(model, m, counts):
+        logps, entropy = completion_logps(model, m["prompt_ids"], m["prompt_mask"], m["completion_ids"],
+                                          m["completion_mask"], temperature, num_generations, chunk_size=chunk_size,
+                                          with_entropy=True)
         loss, metrics = policy_loss(logps, m.get("old_per_token_logps"), m.get("ref_per_token_logps"), m["advantages"],
                                     m["completion_mask"], **loss_kwargs, **counts)
         ent = jax.lax.stop_gradient(jnp.where(m["completion_mask"] > 0, entropy, 0.0).sum() / jnp.maximum(counts["num_tokens"], 1))
-        return loss, {**metrics, "entropy": ent}
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        return loss, {**metrics, "entropy": ent, "loss": loss}
 
-    def step(params, rest, opt_state, b):
+    def counts(b):   # the step's counts, which every micro-batch's loss is divided by
         mask = b["completion_mask"]
-        counts = dict(num_tokens=mask.sum(), num_sequences=(mask.sum(1) > 0).sum())
-        def body(grads, m):
-            (loss, metrics), g = grad_fn(params, rest, m, counts)
-            return jax.tree.map(jnp.add, grads, g), {**metrics, "loss": loss}
-        grads, ms = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), split_groups(b, accum, num_generations))
-        metrics = {k: _COMBINE.get(k, jnp.sum)(v, axis=0) for k, v in ms.items()}
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return params, opt_state, {**metrics, "grad_norm": optax.global_norm(grads), "params_finite": all_finite(params)}
-    return jax.jit(step, donate_argnums=(0, 2))
+        return dict(num_tokens=mask.sum(), num_sequences=(mask.sum(1) > 0).sum())
+
+    return make_update_step(graphdef, tx, micro_loss, accum=accum, totals=counts, combine=_COMBINE,
+                            split=lambda b, parts: split_groups(b, parts, num_generations))
 
 # %% ../nbs/15_rl.ipynb
 class RLTrainer(Trainer):
@@ -192,8 +186,10 @@ class RLTrainer(Trainer):
         G, B, A = cfg.num_generations, cfg.global_batch_size, cfg.gradient_accumulation_steps
         self.mini_batch = cfg.mini_batch_size or B
         self.updates_per_step = cfg.num_iterations * (B // self.mini_batch)
-        self.ref_params = None                 # π_ref: a copy of the initial weights; with LoRA, the base (adapters off)
-        if cfg.beta > 0: self.ref_params = jax.tree.map(jnp.copy if self.lora_base is None else jnp.zeros_like, self.params)
+        self.reference = None                  # π_ref (only when beta > 0): the initial weights; with LoRA, the base (adapters off)
+        if cfg.beta > 0:
+            self.reference = ReferencePolicy(self.params, self.rest, lambda *a: self.run_step("logps_fn", *a),
+                                             lora=self.lora_base is not None)
         self.rewards = as_reward_specs(reward_fns if reward_fns is not None else
                                        list(zip(cfg.reward_functions, cfg.reward_weights)), template=cfg.prompt_template)
         if cfg.reward_isolation == "process": start_reward_workers(self.rewards)   # they boot while the rest loads
@@ -204,6 +200,11 @@ class RLTrainer(Trainer):
         self.engine = engine if engine is not None else make_engine(cfg, self.model, self.tokenizer)
         self.sampling = sampling_options(cfg, self.tokenizer)
         self.last_batch, self.last_update_metrics = None, []
+
+    @property
+    def ref_params(self):
+        "The reference's own weights (None when beta = 0); `self.reference` holds them."
+        return None if self.reference is None else self.reference.params
 
     @property
     def summary_keys(self): return ("reward", *(f"rewards/{s.name}/mean" for s in self.rewards), "kl")
@@ -247,8 +248,7 @@ class RLTrainer(Trainer):
             batch["old_per_token_logps"] = np.asarray(self.run_step("logps_fn", self.params, self.rest, dev))
             diff = (batch["old_per_token_logps"] - ro["sampler_logps"]) * batch["completion_mask"]
             info["sampler_logp_diff"] = float(np.abs(diff).max())
-        if self.ref_params is not None:
-            batch["ref_per_token_logps"] = np.asarray(self.run_step("logps_fn", self.ref_params, self.rest, dev))
+        if self.reference is not None: batch["ref_per_token_logps"] = np.asarray(self.reference.logps(dev))
         info["timing/logps"], t0, metrics = time.perf_counter() - t0, time.perf_counter(), []
         rng = np.random.default_rng([cfg.seed, self.step])
         for _ in range(cfg.num_iterations):

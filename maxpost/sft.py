@@ -14,40 +14,21 @@ from . import sharding
 from .data import make_sft_iterator, check_examples
 from .sft_loss import LOGITS_CHUNK_SIZE, model_sft_loss, target_weights, summarize_metrics
 from .setup import embedded_split, eval_source, check_held_out
-from .train import Trainer, train_command, all_finite, flops_per_token
+from .train import Trainer, train_command, flops_per_token
+from .step import make_update_step, split_micro_batches
 
 # %% auto 0
-__all__ = ['split_micro_batches', 'make_sft_step', 'make_eval_step', 'sft_data', 'evaluate_loss', 'SFTTrainer', 'train_sft',
-           'main']
+__all__ = ['make_sft_step', 'make_eval_step', 'sft_data', 'evaluate_loss', 'SFTTrainer', 'train_sft', 'main']
 
 # %% ../nbs/09_sft.ipynb
-def split_micro_batches(batch: dict, accum: int) -> dict:
-    "[B, L] leaves -> [accum, B // accum, L]; micro-batch j holds rows j, j + accum, j + 2 accum, ..."
-    return jax.tree.map(lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1), batch)
-
 def make_sft_step(graphdef, tx: optax.GradientTransformation, *, accum: int = 1, z_loss: float = 0.0,
                   chunk_size: int | None = LOGITS_CHUNK_SIZE):
     "A jitted `step(params, rest, opt_state, batch) -> (params, opt_state, metrics)`; params and opt_state are donated."
-    def loss_fn(params, rest, micro, num_loss_tokens):   # the output layer and the loss `chunk_size` tokens at a time
-        return model_sft_loss(nnx.merge(graphdef, params, rest), micro, num_loss_tokens=num_loss_tokens, z_loss=z_loss,
-                              chunk_size=chunk_size)
-
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-    def step(params, rest, opt_state, batch):
-        num_loss_tokens = target_weights(batch).sum()
-        def body(grads, micro):
-            (_, metrics), g = grad_fn(params, rest, micro, num_loss_tokens)
-            return jax.tree.map(jnp.add, grads, g), metrics
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, metrics = jax.lax.scan(body, zeros, split_micro_batches(batch, accum))
-        metrics = jax.tree.map(lambda x: x.sum(0), metrics)   # each micro loss is already / the step's count
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return params, opt_state, {**summarize_metrics(metrics), "grad_norm": optax.global_norm(grads),
-                                   "params_finite": all_finite(params)}
-
-    return jax.jit(step, donate_argnums=(0, 2))
+    def micro_loss(model, micro, num_loss_tokens):   # the output layer and the loss `chunk_size` tokens at a time
+        return model_sft_loss(model, micro, num_loss_tokens=num_loss_tokens, z_loss=z_loss, chunk_size=chunk_size)
+    # each micro-batch's loss and counts are already / the step's count: summing them gives the step's
+    return make_update_step(graphdef, tx, micro_loss, accum=accum, totals=lambda batch: target_weights(batch).sum(),
+                            summarize=summarize_metrics)
 
 # %% ../nbs/09_sft.ipynb
 def make_eval_step(graphdef, *, chunk_size: int | None = LOGITS_CHUNK_SIZE):
