@@ -14,7 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 # %% auto 0
 __all__ = ['DTYPES', 'CONFIG_CLASSES', 'LORA_TARGETS', 'ALL_LINEAR', 'CONFIG_DIR', 'key', 'resumable_keys', 'RunConfig',
-           'QAConfig', 'GenerationConfig', 'TrainConfig', 'SFTConfig', 'RLConfig', 'EvalConfig', 'choices',
+           'QAConfig', 'GenerationConfig', 'TrainConfig', 'SFTConfig', 'RLConfig', 'EvalConfig', 'DPOConfig', 'choices',
            'value_problems', 'check_run_name', 'parse_target_modules', 'target_modules_problem', 'ConfigError',
            'validate', 'default_base', 'parse_overrides', 'load_config', 'run_dir', 'to_yaml']
 
@@ -232,6 +232,34 @@ class EvalConfig(GenerationConfig):
 
 
 CONFIG_CLASSES = {"sft": SFTConfig, "rl": RLConfig, "eval": EvalConfig}   # the command -> its config class
+
+# %% ../nbs/00_config.ipynb
+@dataclass
+class DPOConfig(TrainConfig, GenerationConfig):
+    "Preference optimisation from pairs of a chosen and a rejected reply: DPO (sigmoid), IPO, hinge, ORPO, SimPO."
+    loss_type: str = key("sigmoid", choices="maxpost.preference_loss:LOSS_TYPES")
+    beta: float = key(0.1, positive=True)  # the strength of the tie to the reference (SimPO: the reward scale)
+    label_smoothing: float = key(0.0, interval="[0, 0.5)")  # the share of labels taken to be flipped (sigmoid, simpo)
+    lambda_orpo: float = key(0.1, non_negative=True)  # ORPO: weight of the odds-ratio term beside the chosen NLL
+    simpo_gamma: float = key(0.5, non_negative=True)  # SimPO: the target reward margin
+    # compute the reference's log-probs of every pair once, before training, and keep no reference model
+    precompute_ref_log_probs: bool = False
+    # columns: chosen / rejected as strings or conversations; no prompt column = the prompt they share
+    prompt_column: str = "prompt"
+    chosen_column: str = "chosen"
+    rejected_column: str = "rejected"
+    eval_batches: int = key(4, positive=True, resumable=True)  # held-out batches of pairs for the preference loss
+
+    def problems(self) -> list[str]:
+        "`TrainConfig`'s problems, and keys that the chosen `loss_type` would ignore."
+        out = super().problems()
+        if self.label_smoothing and self.loss_type not in ("sigmoid", "simpo"):
+            out.append(f"label_smoothing={self.label_smoothing} has no effect with loss_type={self.loss_type!r} (it "
+                       "smooths the sigmoid of DPO and SimPO); set label_smoothing=0")
+        return out
+
+
+CONFIG_CLASSES["dpo"] = DPOConfig
 
 # %% ../nbs/00_config.ipynb
 def _words(spec) -> tuple[str, ...]:
