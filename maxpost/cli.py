@@ -4,11 +4,11 @@
 
 # %% ../nbs/17_cli.ipynb 3
 from __future__ import annotations
-import argparse, importlib, sys
+import argparse, importlib, os, sys
 from typing import Optional, Sequence
 
 # %% auto 0
-__all__ = ['COMMANDS', 'EXIT_CODES', 'show_config', 'exit_code', 'main']
+__all__ = ['COMMANDS', 'EXIT_CODES', 'show_config', 'exit_code', 'quiet_libraries', 'main']
 
 # %% ../nbs/17_cli.ipynb
 COMMANDS = {
@@ -34,7 +34,7 @@ def show_config(argv: Sequence[str]) -> int:
 # %% ../nbs/17_cli.ipynb
 EXIT_CODES = {0: "finished", 1: "an unexpected error", 2: "a configuration or input error", 3: "a non-finite loss",
               4: "the run directory is in use by another process", 5: "a checkpoint could not be written or restored",
-              128: "128 + N: stopped by signal N"}
+              128: "stopped by signal N (the code is 128 + N)"}
 
 def exit_code(e: BaseException) -> int | None:
     "The exit code of a run that ended with `e`, or None when `e` is not one a run reports (then: traceback, 1)."
@@ -48,10 +48,15 @@ def exit_code(e: BaseException) -> int | None:
     return None
 
 # %% ../nbs/17_cli.ipynb
+def quiet_libraries() -> None:
+    "Keep the libraries' advice off a run's output: transformers' \"PyTorch was not found\" (maxpost uses it for tokenizers only) and its other advisory warnings. Set before transformers is imported; a value the user set wins."
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="maxpost", description="LLM post-training (SFT, GRPO, GSPO) in JAX.",
                                 epilog="Each command takes [base.yml] key=value ...; see `maxpost config sft`. Exit codes: "
-                                       + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items()))
+                                       + "; ".join(f"{'128+N' if k == 128 else k} {v}" for k, v in EXIT_CODES.items()))
     sub = p.add_subparsers(dest="command", metavar="command")
     for name, (_, help_) in COMMANDS.items():
         sub.add_parser(name, help=help_, add_help=False).add_argument("args", nargs=argparse.REMAINDER)
@@ -60,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     "The `maxpost` console script."
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_libraries()
     p = _parser()
     if not argv or argv[0] in ("-h", "--help"):
         p.print_help(); return 0 if argv else 2

@@ -11,12 +11,13 @@ from typing import Any, Optional, Sequence
 
 from omegaconf import OmegaConf, MISSING
 from omegaconf.errors import OmegaConfBaseException
+import yaml
 
 # %% auto 0
 __all__ = ['DTYPES', 'CONFIG_CLASSES', 'LORA_TARGETS', 'ALL_LINEAR', 'CONFIG_DIR', 'key', 'resumable_keys', 'RunConfig',
            'QAConfig', 'GenerationConfig', 'TrainConfig', 'SFTConfig', 'RLConfig', 'EvalConfig', 'choices',
            'value_problems', 'check_run_name', 'parse_target_modules', 'target_modules_problem', 'ConfigError',
-           'validate', 'default_base', 'parse_overrides', 'load_config', 'run_dir', 'to_yaml']
+           'validate', 'derived_defaults', 'default_base', 'parse_overrides', 'load_config', 'run_dir', 'to_yaml']
 
 # %% ../nbs/00_config.ipynb
 DTYPES = ("float32", "bfloat16")
@@ -66,6 +67,11 @@ class RunConfig:
     dataset_config: str = ""
     eval_dataset_name: str = ""  # "" = the held-out split of dataset_name
     eval_split: str = "test"
+
+    @classmethod
+    def defaults_from(cls, values: dict) -> dict:
+        "Values that a `None` of this class's keys stands for, given the other `values`; a subclass with such keys says them."
+        return {}
 
     def problems(self) -> list[str]:
         "What is wrong with this config, each problem a sentence naming its key; a subclass adds its keys' relations."
@@ -182,11 +188,12 @@ class RLConfig(TrainConfig, GenerationConfig):
     "Reinforcement learning with group-relative policy optimisation (GRPO, GSPO)."
     num_generations: int = key(8, positive=True)
     loss_algo: str = key("grpo", choices="maxpost.policy_loss:LOSS_ALGOS")
-    epsilon_low: Optional[float] = key(None, non_negative=True)  # None = the algorithm's default
+    # None = the algorithm's default (load_config writes it in: grpo 0.2 / 0.28, gspo 3e-4 / 4e-4)
+    epsilon_low: Optional[float] = key(None, non_negative=True)
     epsilon_high: Optional[float] = key(None, non_negative=True)
     beta: float = key(0.0, non_negative=True)
     kl_estimator: str = key("k3", choices="maxpost.policy_loss:KL_ESTIMATORS")
-    # None = the algorithm's default
+    # None = the algorithm's default (gspo: sequence-mean-token-mean, else token-mean)
     loss_agg_mode: Optional[str] = key(None, choices="maxpost.policy_loss:LOSS_AGG_CHOICES")
     advantage_scale: str = key("group", choices="maxpost.advantages:SCALES")
     num_iterations: int = key(1, positive=True)  # mu: passes over each rollout batch
@@ -215,6 +222,15 @@ class RLConfig(TrainConfig, GenerationConfig):
             out.append(f"gradient_accumulation_steps={A} must divide the {mb // G} groups "
                        "of a mini-batch (each micro-batch holds whole groups)")
         return out
+
+    @classmethod
+    def defaults_from(cls, values: dict) -> dict:
+        "The algorithm's defaults that `None` stands for: `epsilon_low`, `epsilon_high` (`maxpost.rl.DEFAULT_EPSILONS`) and `loss_agg_mode` of `values['loss_algo']`."
+        eps = importlib.import_module("maxpost.rl").DEFAULT_EPSILONS
+        if values.get("loss_algo") not in eps: return {}   # a wrong word: validate names it
+        low, high = eps[values["loss_algo"]]
+        agg = "sequence-mean-token-mean" if values["loss_algo"] == "gspo" else "token-mean"
+        return dict(epsilon_low=low, epsilon_high=high, loss_agg_mode=agg)
 
     def problems(self) -> list[str]:
         "`TrainConfig`'s problems (with the group checks) and one weight per reward function."
@@ -308,6 +324,12 @@ def validate(cfg: RunConfig) -> RunConfig:
     return cfg
 
 # %% ../nbs/00_config.ipynb
+def derived_defaults(cls, values: dict) -> dict:
+    "The keys of `values` (a config of class `cls` as a dict) that are `None` and follow from other keys, with their values: what the run uses, so the config and its record say it."
+    return {k: v for k, v in cls.defaults_from(values).items() if values.get(k) is None}
+
+
+# %% ../nbs/00_config.ipynb
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" if "__file__" in globals() else Path("../configs").resolve()
 
 def default_base(kind: str) -> Optional[Path]:
@@ -334,10 +356,23 @@ def parse_overrides(overrides: Sequence[str]) -> list[str]:
     return list(overrides)
 
 # %% ../nbs/00_config.ipynb
+def _yaml_problem(e: yaml.YAMLError, text: str | None = None) -> str:
+    "What the YAML parser says and where (line and column, 1-based; for a one-line `text`, the column in it)."
+    mark, ctx = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
+    what = getattr(e, "problem", None) or str(e).splitlines()[0]
+    one_line = text is not None and "\n" not in text
+    def at(m):
+        if not one_line: return f"line {m.line + 1}, column {m.column + 1}"
+        return f"column {m.column + 1}" if m.line == 0 else f"column {len(text) + 1} (the end of the value)"
+    out = what + (f" at {at(mark)}" if mark is not None else "")
+    if ctx is not None and getattr(e, "context", None): out += f", {e.context} opened at {at(ctx)}"
+    return out
+
 def _read_base(base: Path, cls) -> Any:
     "The YAML base as an OmegaConf mapping, its keys checked."
     if not base.exists(): raise ConfigError(f"config base {str(base)!r} does not exist")
     try: y = OmegaConf.load(base)
+    except yaml.YAMLError as e: raise ConfigError(f"config base {str(base)!r} is not valid YAML: {_yaml_problem(e)}") from None
     except (OmegaConfBaseException, ValueError, OSError) as e:
         raise ConfigError(f"config base {str(base)!r} is not readable YAML: {str(e).splitlines()[0]}") from None
     if not OmegaConf.is_dict(y):
@@ -352,7 +387,11 @@ def load_config(kind, overrides: Sequence[str] = (), base: str | Path | None = "
     cls = CONFIG_CLASSES[kind] if isinstance(kind, str) else kind
     if base == "default": base = default_base(kind) if isinstance(kind, str) else None
     layers = [(str(base), _read_base(Path(base), cls))] if base is not None else []
-    dl = OmegaConf.from_dotlist(parse_overrides(overrides))
+    for o in parse_overrides(overrides):   # one at a time, so that a YAML error names its override
+        try: OmegaConf.from_dotlist([o])
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {o!r}: the value is not valid YAML: {_yaml_problem(e, o.split('=', 1)[1])}") from None
+    dl = OmegaConf.from_dotlist(list(overrides))
     _check_keys(cls, list(dl.keys()), "the overrides")
     merged = OmegaConf.structured(cls)
     for where, layer in layers + [("the overrides", dl)]:
@@ -360,11 +399,12 @@ def load_config(kind, overrides: Sequence[str] = (), base: str | Path | None = "
         for k, v in raw.items():
             if v is None and _type_name(cls, k) == "str": v = ""   # `key=` empties a text field
             try: merged = OmegaConf.merge(merged, {k: v})
-            except OmegaConfBaseException as e:
+            except (OmegaConfBaseException, TypeError, ValueError) as e:
                 raise ConfigError(f"{k}={v!r} (from {where}) is not a valid {_type_name(cls, k)}: "
                                   f"{str(e).splitlines()[0]}") from None
     try: values = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as e: raise ConfigError(f"cannot resolve the config: {e}") from None
+    values.update(derived_defaults(cls, values))   # what `None` stands for, written in: the record says what runs
     return validate(cls(**{f.name: values[f.name] for f in fields(cls) if f.init}))
 
 # %% ../nbs/00_config.ipynb

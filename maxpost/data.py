@@ -167,6 +167,7 @@ def load_dataset_split(name_or_path: str | Path, split: str = "train", *, datase
                        data_files: str | Sequence[str] | dict | None = None):
     "One split of a dataset: a hub name, a local directory, jsonl/json/parquet/csv file(s) or `reasoning_gym:<task>`; an unknown split is an error."
     import datasets
+    datasets.disable_progress_bars(); datasets.logging.set_verbosity_error()   # no "Generating train split" bars in a run's log
     if str(name_or_path).startswith("reasoning_gym:"):        # a reasoning-gym task, generated (chapter 03d)
         from maxpost.reasoning_gym import load_reasoning_gym, task_of
         return load_reasoning_gym(task_of(name_or_path), split, dataset_config)
