@@ -8,7 +8,7 @@ import argparse, importlib, os, sys
 from typing import Optional, Sequence
 
 # %% auto 0
-__all__ = ['COMMANDS', 'EXIT_CODES', 'show_config', 'exit_code', 'quiet_libraries', 'main']
+__all__ = ['COMMANDS', 'EXIT_CODES', 'command_help', 'show_config', 'exit_code', 'quiet_libraries', 'main']
 
 # %% ../nbs/17_cli.ipynb
 COMMANDS = {
@@ -20,15 +20,28 @@ COMMANDS = {
 }
 
 # %% ../nbs/17_cli.ipynb
+_HELP_FLAGS = ("-h", "--help")
+
+def command_help(command: str) -> str:
+    "What `maxpost COMMAND --help` prints: the usage, then every key of the command's config class (`describe_keys`)."
+    from maxpost.config import CONFIG_CLASSES, describe_keys, default_base
+    cls, base = CONFIG_CLASSES[command], default_base(command)
+    return (f"usage: maxpost {command} [base.yml] key=value ...\n\n{COMMANDS[command][1]}.\n"
+            f"The base is {base or 'the defaults below'} unless a *.yml file comes first; each key=value overrides it "
+            f"(see the result with `maxpost config {command} ...`).\n\nkeys ({cls.__name__}):\n{describe_keys(cls)}\n")
+
 def show_config(argv: Sequence[str]) -> int:
-    "`maxpost config sft|rl|eval [base.yml] key=value ...`: print the config a command would use."
+    "`maxpost config sft|rl|eval [base.yml] key=value ...`: print the config a command would use, each key's help as a comment."
     from maxpost.config import load_config, to_yaml, CONFIG_CLASSES
     from maxpost.setup import split_base
-    if not argv or argv[0] not in CONFIG_CLASSES:
-        print(f"usage: maxpost config {{{','.join(CONFIG_CLASSES)}}} [base.yml] key=value ...", file=sys.stderr)
-        return 2
+    usage = f"usage: maxpost config {{{','.join(CONFIG_CLASSES)}}} [base.yml] key=value ..."
+    if argv and argv[0] in _HELP_FLAGS:
+        print(f"{usage}\n\nPrints the configuration the command would run with; `maxpost <command> --help` lists the keys.")
+        return 0
+    if not argv or argv[0] not in CONFIG_CLASSES: print(usage, file=sys.stderr); return 2
+    if any(a in _HELP_FLAGS for a in argv[1:]): print(command_help(argv[0]), end=""); return 0
     base, overrides = split_base(argv[1:])
-    print(to_yaml(load_config(argv[0], overrides, base=base)), end="")
+    print(to_yaml(load_config(argv[0], overrides, base=base), comments=True), end="")
     return 0
 
 # %% ../nbs/17_cli.ipynb
@@ -71,6 +84,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.print_help(); return 0 if argv else 2
     if argv[0] not in COMMANDS:
         p.error(f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
+    from maxpost.config import CONFIG_CLASSES
+    if argv[0] in CONFIG_CLASSES and any(a in _HELP_FLAGS for a in argv[1:]):
+        print(command_help(argv[0]), end=""); return 0
     mod, fn = COMMANDS[argv[0]][0].split(":")
     try: return int(getattr(importlib.import_module(mod), fn)(argv[1:]) or 0)
     except Exception as e:

@@ -165,3 +165,26 @@ def test_config_shows_the_values_an_rl_run_uses():
         unresolved = dataclasses.replace(cfg, epsilon_low=None, epsilon_high=None, loss_agg_mode=None)
         assert loss_options(cfg) == loss_options(unresolved), algo
         assert load_config("rl", [f"loss_algo={algo}", "epsilon_high=0.9"]).epsilon_high == 0.9   # a set value stays
+
+
+def test_each_command_lists_its_keys_with_type_default_and_help():
+    """issue 31, items 10 and 11: `maxpost sft --help` (rl, eval, config) lists every key of the command's config class
+    with its type, default and one line; `maxpost config` says the same as comments; `maxpost --help` reads 128+N."""
+    from dataclasses import fields
+    from maxpost.config import CONFIG_CLASSES
+    for command, cls in CONFIG_CLASSES.items():
+        for args in ([command, "--help"], *([["config", command, "-h"]] if command == "rl" else [])):
+            r = cli(*args)
+            assert r.returncode == 0, r.stderr[-2000:]
+            lines = {l.split(" (", 1)[0].strip(): l for l in r.stdout.splitlines() if l.startswith("  ")}
+            for f in fields(cls):
+                line = lines[f.name]
+                assert line.split("): ", 1)[1].strip(), line          # a help text
+                assert (f"default {f.default}" if isinstance(f.default, int) and not isinstance(f.default, bool)
+                        else "(") in line, line
+        assert f"  steps (int, default 100, resumable): optimizer steps of the run" in cli("sft", "--help").stdout
+    r = cli("config", "rl", "loss_algo=gspo")
+    top = [l for l in r.stdout.splitlines() if l and not l.startswith((" ", "-"))]
+    assert top and all("  # " in l for l in top), [l for l in top if "  # " not in l]
+    r = cli("--help")
+    assert "128+N stopped by signal N" in r.stdout and "128 128" not in r.stdout, r.stdout
