@@ -157,7 +157,7 @@ def test_config_shows_the_values_an_rl_run_uses():
     import dataclasses
     r = cli("config", "rl", "loss_algo=gspo")
     assert r.returncode == 0, r.stderr[-2000:]
-    lines = r.stdout.splitlines()
+    lines = [l.split("  # ")[0] for l in r.stdout.splitlines()]   # without the help comments
     assert {"epsilon_low: 0.0003", "epsilon_high: 0.0004", "loss_agg_mode: sequence-mean-token-mean"} <= set(lines)
     # what the config says is what rl.py would use for the same config with the values left to the algorithm
     for algo in ("grpo", "gspo", "gspo-token"):
@@ -188,3 +188,22 @@ def test_each_command_lists_its_keys_with_type_default_and_help():
     assert top and all("  # " in l for l in top), [l for l in top if "  # " not in l]
     r = cli("--help")
     assert "128+N stopped by signal N" in r.stdout and "128 128" not in r.stdout, r.stdout
+
+
+def test_mismatched_config_and_unknown_chat_role_are_refused(tmp_path):
+    """issue 32, item 5: config.json whose model_type (mixtral) contradicts its architectures (Qwen3ForCausalLM), and
+    SFT data with a role chat templates do not know (ShareGPT's human/gpt), are refused in one line naming them."""
+    hf = tiny_hf_dir(tmp_path)
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, "model_type": "mixtral"}))
+    line = one_line_error(cli("sft", f"base_output_directory={tmp_path}", f"load_parameters_path={hf}", "steps=2"))
+    assert "architectures ['Qwen3ForCausalLM'] but model_type 'mixtral'" in line, line
+    from maxpost.tasks import build_tokenizer
+    build_tokenizer(tmp_path / "tok")
+    rows = [[{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}],
+            [{"role": "human", "content": "2+2?"}, {"role": "gpt", "content": "4"}]]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    line = one_line_error(cli("sft", f"base_output_directory={tmp_path}", f"dataset_name={tmp_path / 'chat.jsonl'}",
+                              f"tokenizer_path={tmp_path / 'tok'}", "train_split=train", "eval_split=train",
+                              "eval_on_train=true", "steps=2"))
+    assert "example 1 (messages format): messages has a message with role 'human'" in line, line
