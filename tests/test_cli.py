@@ -207,3 +207,18 @@ def test_mismatched_config_and_unknown_chat_role_are_refused(tmp_path):
                               f"tokenizer_path={tmp_path / 'tok'}", "train_split=train", "eval_split=train",
                               "eval_on_train=true", "steps=2"))
     assert "example 1 (messages format): messages has a message with role 'human'" in line, line
+
+
+def test_convert_keeps_a_maxtext_tokenizer_and_clears_what_a_killed_convert_left(tmp_path):
+    """issue 31, item 5 and issue 32, item 5: `maxpost convert <maxtext> DST --to hf` keeps the tokenizer the MaxText
+    directory holds (and --help no longer says it has none); `.DST.convert-PID` left by a killed convert is removed."""
+    hf = tiny_hf_dir(tmp_path)
+    r = cli("convert", hf, tmp_path / "mt", "--to", "maxtext")
+    assert r.returncode == 0 and (tmp_path / "mt" / "tokenizer" / "tokenizer.json").exists(), r.stderr[-2000:]
+    stale = tmp_path / ".back.convert-4194999"          # a PID above Linux's pid_max: its process is gone
+    stale.mkdir()
+    r = cli("convert", tmp_path / "mt", tmp_path / "back", "--to", "hf", "--model-name", "qwen3")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "back" / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
+    assert not stale.exists() and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    assert "MaxText SRC has none" not in cli("convert", "--help").stdout
