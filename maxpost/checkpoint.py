@@ -19,7 +19,7 @@ from .sharding import param_shardings, host_array, variable_at
 # %% auto 0
 __all__ = ['ARCHITECTURES', 'hf_config_to_model_config', 'model_config_to_hf_config', 'HFParam', 'hf_param_map', 'hf_to_param',
            'param_to_hf', 'hf_state_dict', 'save_hf', 'load_hf', 'CheckpointError', 'save_limit_gb',
-           'checkpoint_manager', 'save_state', 'restore_state']
+           'checkpoint_manager', 'prune_steps', 'save_state', 'restore_state']
 
 # %% ../nbs/03_checkpoint.ipynb
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3",
@@ -27,10 +27,16 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Gemm
 _MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3", "gemma3": "gemma3"}
 
 def _family(d: dict) -> str:
-    "The maxpost family of an HF config dict, from `architectures` (or `model_type` when that is absent)."
-    archs = d.get("architectures") or []
+    "The maxpost family of an HF config dict, from `architectures` (or `model_type` when that is absent); the two must agree."
+    archs, mt = d.get("architectures") or [], d.get("model_type")
     for a in archs:
-        if a in ARCHITECTURES: return ARCHITECTURES[a]
+        if a not in ARCHITECTURES: continue
+        if mt is not None and _MODEL_TYPES.get(mt) != ARCHITECTURES[a]:   # a hand-edited or mixed-up config.json
+            raise ValueError(f"config.json says architectures {archs} but model_type {mt!r}, which is not a "
+                             f"{ARCHITECTURES[a]} model: the two disagree, so the weights cannot be read safely; fix "
+                             f"config.json (model_type of {a}: "
+                             f"{', '.join(repr(k) for k, v in _MODEL_TYPES.items() if v == ARCHITECTURES[a])})")
+        return ARCHITECTURES[a]
     if not archs and d.get("model_type") in _MODEL_TYPES: return _MODEL_TYPES[d["model_type"]]
     raise ValueError(f"unsupported architecture {archs or d.get('model_type')!r}; supported: {sorted(ARCHITECTURES)}")
 
@@ -262,16 +268,34 @@ def save_limit_gb(*trees) -> int:
 
 def checkpoint_manager(directory, *, max_to_keep: int | None = None,
                        save_concurrent_gb: int | None = None) -> ocp.CheckpointManager:
-    "A synchronous Orbax manager over `directory` (created if needed); with `max_to_keep`, older steps beyond it are deleted now and after each save; with `save_concurrent_gb`, a save holds at most that many GB in flight."
-    opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False)
+    "A synchronous Orbax manager over `directory` (created if needed); with `max_to_keep`, older steps beyond it are deleted now and after each save (`prune_steps`: never through a link); with `save_concurrent_gb`, a save holds at most that many GB in flight."
+    opts = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)   # maxpost prunes, not Orbax
     handlers = {}
     if save_concurrent_gb is not None:
         arrays = lambda: ocp.StandardCheckpointHandler(save_concurrent_gb=save_concurrent_gb)
         handlers = dict(item_handlers=dict(params=arrays(), opt_state=arrays(), meta=ocp.JsonCheckpointHandler()))
     mgr = ocp.CheckpointManager(Path(directory).absolute(), options=opts, **handlers)
-    if max_to_keep is not None:
-        for s in sorted(mgr.all_steps())[:-max_to_keep]: mgr.delete(s)
+    mgr.maxpost_max_to_keep = max_to_keep   # read by save_state, which prunes after each save
+    prune_steps(mgr, max_to_keep)
     return mgr
+
+def prune_steps(mgr: ocp.CheckpointManager, max_to_keep: int | None) -> list[int]:
+    "Delete the steps older than the newest `max_to_keep`, except a step directory that is a symbolic link (kept, with a warning saying what to do); returns the steps deleted. A deletion that fails warns: the checkpoints written are intact."
+    if max_to_keep is None: return []
+    deleted = []
+    for s in sorted(mgr.all_steps())[:-max_to_keep]:
+        p = Path(mgr.directory) / str(s)
+        if p.is_symlink():   # moved to another disk and linked back: deleting would reach into the target
+            warnings.warn(f"checkpoint step {s} under {mgr.directory} is a symbolic link (to {os.readlink(p)}): maxpost "
+                          "never deletes through a link, so it is kept beyond max_to_keep; remove the link (and its "
+                          "target) yourself when you no longer need it", stacklevel=2)
+            continue
+        try: mgr.delete(s); deleted.append(s)
+        except OSError as e:
+            warnings.warn(f"could not delete old checkpoint step {s} under {mgr.directory} ({e}); the newer steps are "
+                          "intact: delete it yourself", stacklevel=2)
+    if deleted: mgr.reload()
+    return deleted
 
 # %% ../nbs/03_checkpoint.ipynb
 def _abstract(tree):
@@ -308,6 +332,7 @@ def save_state(mgr: ocp.CheckpointManager, step: int, params, opt_state=None, me
                               f"{e}. The newest complete checkpoint (step {mgr.latest_step()}) is intact; fix the "
                               f"cause (permissions, free space, another process writing the same run) and rerun "
                               f"to resume from it") from e
+    prune_steps(mgr, getattr(mgr, "maxpost_max_to_keep", None))   # after a complete save: never mixed up with it
 
 # %% ../nbs/03_checkpoint.ipynb
 def restore_state(mgr: ocp.CheckpointManager, params_like, opt_state_like=None, *, step: int | None = None):

@@ -4,11 +4,11 @@
 
 # %% ../nbs/17_cli.ipynb 3
 from __future__ import annotations
-import argparse, importlib, sys
+import argparse, importlib, os, sys
 from typing import Optional, Sequence
 
 # %% auto 0
-__all__ = ['COMMANDS', 'EXIT_CODES', 'show_config', 'exit_code', 'main']
+__all__ = ['COMMANDS', 'EXIT_CODES', 'command_help', 'show_config', 'exit_code', 'quiet_libraries', 'main']
 
 # %% ../nbs/17_cli.ipynb
 COMMANDS = {
@@ -21,21 +21,34 @@ COMMANDS = {
 }
 
 # %% ../nbs/17_cli.ipynb
+_HELP_FLAGS = ("-h", "--help")
+
+def command_help(command: str) -> str:
+    "What `maxpost COMMAND --help` prints: the usage, then every key of the command's config class (`describe_keys`)."
+    from maxpost.config import CONFIG_CLASSES, describe_keys, default_base
+    cls, base = CONFIG_CLASSES[command], default_base(command)
+    return (f"usage: maxpost {command} [base.yml] key=value ...\n\n{COMMANDS[command][1]}.\n"
+            f"The base is {base or 'the defaults below'} unless a *.yml file comes first; each key=value overrides it "
+            f"(see the result with `maxpost config {command} ...`).\n\nkeys ({cls.__name__}):\n{describe_keys(cls)}\n")
+
 def show_config(argv: Sequence[str]) -> int:
-    "`maxpost config sft|rl|eval [base.yml] key=value ...`: print the config a command would use."
+    "`maxpost config sft|rl|eval [base.yml] key=value ...`: print the config a command would use, each key's help as a comment."
     from maxpost.config import load_config, to_yaml, CONFIG_CLASSES
     from maxpost.setup import split_base
-    if not argv or argv[0] not in CONFIG_CLASSES:
-        print(f"usage: maxpost config {{{','.join(CONFIG_CLASSES)}}} [base.yml] key=value ...", file=sys.stderr)
-        return 2
+    usage = f"usage: maxpost config {{{','.join(CONFIG_CLASSES)}}} [base.yml] key=value ..."
+    if argv and argv[0] in _HELP_FLAGS:
+        print(f"{usage}\n\nPrints the configuration the command would run with; `maxpost <command> --help` lists the keys.")
+        return 0
+    if not argv or argv[0] not in CONFIG_CLASSES: print(usage, file=sys.stderr); return 2
+    if any(a in _HELP_FLAGS for a in argv[1:]): print(command_help(argv[0]), end=""); return 0
     base, overrides = split_base(argv[1:])
-    print(to_yaml(load_config(argv[0], overrides, base=base)), end="")
+    print(to_yaml(load_config(argv[0], overrides, base=base), comments=True), end="")
     return 0
 
 # %% ../nbs/17_cli.ipynb
 EXIT_CODES = {0: "finished", 1: "an unexpected error", 2: "a configuration or input error", 3: "a non-finite loss",
               4: "the run directory is in use by another process", 5: "a checkpoint could not be written or restored",
-              128: "128 + N: stopped by signal N"}
+              128: "stopped by signal N (the code is 128 + N)"}
 
 def exit_code(e: BaseException) -> int | None:
     "The exit code of a run that ended with `e`, or None when `e` is not one a run reports (then: traceback, 1)."
@@ -49,10 +62,15 @@ def exit_code(e: BaseException) -> int | None:
     return None
 
 # %% ../nbs/17_cli.ipynb
+def quiet_libraries() -> None:
+    "Keep the libraries' advice off a run's output: transformers' \"PyTorch was not found\" (maxpost uses it for tokenizers only) and its other advisory warnings. Set before transformers is imported; a value the user set wins."
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="maxpost", description="LLM post-training (SFT, GRPO, GSPO) in JAX.",
                                 epilog="Each command takes [base.yml] key=value ...; see `maxpost config sft`. Exit codes: "
-                                       + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items()))
+                                       + "; ".join(f"{'128+N' if k == 128 else k} {v}" for k, v in EXIT_CODES.items()))
     sub = p.add_subparsers(dest="command", metavar="command")
     for name, (_, help_) in COMMANDS.items():
         sub.add_parser(name, help=help_, add_help=False).add_argument("args", nargs=argparse.REMAINDER)
@@ -61,11 +79,15 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     "The `maxpost` console script."
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_libraries()
     p = _parser()
     if not argv or argv[0] in ("-h", "--help"):
         p.print_help(); return 0 if argv else 2
     if argv[0] not in COMMANDS:
         p.error(f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
+    from maxpost.config import CONFIG_CLASSES
+    if argv[0] in CONFIG_CLASSES and any(a in _HELP_FLAGS for a in argv[1:]):
+        print(command_help(argv[0]), end=""); return 0
     mod, fn = COMMANDS[argv[0]][0].split(":")
     try: return int(getattr(importlib.import_module(mod), fn)(argv[1:]) or 0)
     except Exception as e:

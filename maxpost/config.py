@@ -5,28 +5,33 @@
 # %% ../nbs/00_config.ipynb 3
 from __future__ import annotations
 import difflib, importlib, os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, MISSING as _NO_DEFAULT
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from omegaconf import OmegaConf, MISSING
 from omegaconf.errors import OmegaConfBaseException
+import yaml
 
 # %% auto 0
 __all__ = ['DTYPES', 'CONFIG_CLASSES', 'LORA_TARGETS', 'ALL_LINEAR', 'CONFIG_DIR', 'key', 'resumable_keys', 'RunConfig',
            'QAConfig', 'GenerationConfig', 'TrainConfig', 'SFTConfig', 'RLConfig', 'EvalConfig', 'DPOConfig', 'choices',
            'value_problems', 'check_run_name', 'parse_target_modules', 'target_modules_problem', 'ConfigError',
-           'validate', 'default_base', 'parse_overrides', 'load_config', 'run_dir', 'to_yaml']
+           'validate', 'derived_defaults', 'default_base', 'parse_overrides', 'load_config', 'run_dir', 'to_yaml',
+           'describe_keys']
 
 # %% ../nbs/00_config.ipynb
 DTYPES = ("float32", "bfloat16")
 
-def key(default: Any = MISSING, *, positive: bool = False, non_negative: bool = False, interval: str | None = None,
-        choices: Sequence[str] | str | None = None, resumable: bool = False):
-    """A config field: its `default`, and in its metadata what `validate` checks and whether a resume may change it.
-    `interval` is written as in maths, "(0, 1]"; `choices` is the words, or "module:NAME" of the code that owns them."""
-    meta = dict(positive=positive, non_negative=non_negative, interval=interval, choices=choices, resumable=resumable)
-    return field(default=default, metadata={k: v for k, v in meta.items() if v})
+def key(default: Any = MISSING, *, factory=None, positive: bool = False, non_negative: bool = False,
+        interval: str | None = None, choices: Sequence[str] | str | None = None, resumable: bool = False, help: str = ""):
+    """A config field: its `default` (or a `factory` of it, for a list or dict), and in its metadata what `validate`
+    checks, whether a resume may change it and one line of `help` for `--help`. `interval` is written as in maths,
+    "(0, 1]"; `choices` is the words, or "module:NAME" of the code that owns them."""
+    meta = dict(positive=positive, non_negative=non_negative, interval=interval, choices=choices, resumable=resumable,
+                help=help)
+    meta = {k: v for k, v in meta.items() if v}
+    return field(default_factory=factory, metadata=meta) if factory is not None else field(default=default, metadata=meta)
 
 def resumable_keys(cls) -> tuple[str, ...]:
     "The keys of config class (or config) `cls` that a resumed run may change: those declared `key(..., resumable=True)`."
@@ -36,36 +41,42 @@ def resumable_keys(cls) -> tuple[str, ...]:
 @dataclass
 class RunConfig:
     "Fields every maxpost command shares: where it writes, which model and weights, which devices, which data."
-    # where the command writes: {base_output_directory}/{run_name}/ (a run name is a name: no path separators)
-    run_name: str = MISSING
-    base_output_directory: str = MISSING
-    # model: a preset name (for a MaxText checkpoint also a MaxText name such as qwen3-8b, or a family: llama3,
-    # llama3.1, qwen3, gemma3, whose dimensions are read from the checkpoint); weights from a maxpost run, a
-    # Hugging Face or MaxText checkpoint, else random init
-    model_name: str = "tiny"
-    # ModelConfig fields on top of model_name: for a random init and a MaxText checkpoint (which records no
-    # architecture); refused with Hugging Face or maxpost checkpoints, which describe their own
-    model_overrides: dict[str, Any] = field(default_factory=dict)
-    load_parameters_path: str = ""
-    tokenizer_path: str = ""  # "" = the tokenizer saved with the checkpoint
-    dtype: str = key("float32", choices=DTYPES)  # compute dtype
-    param_dtype: str = key("float32", choices=DTYPES)
-    # auto (cudnn on GPU, splash on TPU, else blockwise) | blockwise | cudnn | splash
-    attention: str = key("auto", choices="maxpost.model:ATTENTION_IMPLEMENTATIONS", resumable=True)
-    # parallelism: mesh axis sizes, -1 = all remaining devices (a resume may lay the same numbers out differently)
-    data_parallelism: int = key(1, resumable=True)
-    fsdp_parallelism: int = key(-1, resumable=True)
-    tensor_parallelism: int = key(1, resumable=True)
-    # several processes (jax.distributed); empty / -1 = read the environment or run as one process
-    coordinator_address: str = key("", resumable=True)
-    num_processes: int = key(-1, resumable=True)
-    process_id: int = key(-1, resumable=True)
-    seed: int = 0
-    # data: a hub name, a local directory or jsonl/parquet file(s); "" = the embedded task
-    dataset_name: str = ""
-    dataset_config: str = ""
-    eval_dataset_name: str = ""  # "" = the held-out split of dataset_name
-    eval_split: str = "test"
+    run_name: str = key(help="the run's directory name under base_output_directory (a name: no path separators)")
+    base_output_directory: str = key(help="where runs are written: {base_output_directory}/{run_name}/")
+    model_name: str = key("tiny",
+        help="a preset (tiny, qwen3-0.6b, ...); with a MaxText checkpoint also a MaxText name or a family (llama3, qwen3, gemma3)")
+    model_overrides: dict[str, Any] = key(factory=dict,
+        help="ModelConfig fields on top of model_name, e.g. {num_layers: 2}: for a random init or a MaxText checkpoint only")
+    load_parameters_path: str = key("",
+        help="the starting weights: a maxpost run (or one of its checkpoints/<step>), a Hugging Face or MaxText checkpoint; \"\" = random init")
+    tokenizer_path: str = key("",
+        help="a directory with tokenizer.json / tokenizer_config.json; \"\" = the one saved with the weights")
+    dtype: str = key("float32", choices=DTYPES, help="compute dtype")
+    param_dtype: str = key("float32", choices=DTYPES, help="dtype the weights are kept in")
+    attention: str = key("auto", choices="maxpost.model:ATTENTION_IMPLEMENTATIONS", resumable=True,
+        help="the attention kernel; auto = cudnn on GPU, splash on TPU, else blockwise")
+    data_parallelism: int = key(1, resumable=True,
+        help="mesh axis size for data parallelism; -1 = all remaining devices")
+    fsdp_parallelism: int = key(-1, resumable=True,
+        help="mesh axis size for sharded weights (FSDP); -1 = all remaining devices")
+    tensor_parallelism: int = key(1, resumable=True,
+        help="mesh axis size for tensor parallelism; -1 = all remaining devices")
+    coordinator_address: str = key("", resumable=True,
+        help="jax.distributed coordinator host:port for several processes; \"\" = read the environment or one process")
+    num_processes: int = key(-1, resumable=True, help="processes of a multi-process run; -1 = from the environment")
+    process_id: int = key(-1, resumable=True, help="this process's index; -1 = from the environment")
+    seed: int = key(0, help="seed of the initial weights, the data order and the sampling")
+    dataset_name: str = key("",
+        help="a hub name, a local directory, jsonl/parquet/csv file(s) or reasoning_gym:<task>; \"\" = the embedded task")
+    dataset_config: str = key("",
+        help="the dataset's configuration name (reasoning_gym: seed=..,train_size=..,<options>)")
+    eval_dataset_name: str = key("", help="held-out data of its own; \"\" = the eval_split of dataset_name")
+    eval_split: str = key("test", help="the held-out split (slices such as test[:64] select rows)")
+
+    @classmethod
+    def defaults_from(cls, values: dict) -> dict:
+        "Values that a `None` of this class's keys stands for, given the other `values`; a subclass with such keys says them."
+        return {}
 
     def problems(self) -> list[str]:
         "What is wrong with this config, each problem a sentence naming its key; a subclass adds its keys' relations."
@@ -84,63 +95,71 @@ class RunConfig:
 @dataclass
 class QAConfig(RunConfig):
     "The columns of a question/answer dataset, which SFT (its question_answer format), RL and evaluation read."
-    question_column: str = "question"
-    answer_column: str = "answer"
+    question_column: str = key("question", help="the column holding the question")
+    answer_column: str = key("answer", help="the column holding the answer")
 
 
 @dataclass
 class GenerationConfig(QAConfig):
     "What commands that generate from prompts add: the prompt, the sampler and the evaluation."
-    prompt_template: str = "gsm8k"  # a built-in name, or a template with {question}
-    max_prompt_length: int = key(128, positive=True)
-    max_completion_length: int = key(128, positive=True)
-    temperature: float = key(1.0, non_negative=True)
-    top_k: int = key(0, non_negative=True)
-    top_p: float = key(1.0, interval="(0, 1]")
-    eval_num_prompts: int = key(256, non_negative=True, resumable=True)  # 0 = the whole eval split
-    eval_k: int = key(8, non_negative=True, resumable=True)  # samples per prompt for pass@k / maj@k; 0 = greedy only
+    prompt_template: str = key("gsm8k", help="a built-in name (gsm8k, plain, boxed) or a template with {question}")
+    max_prompt_length: int = key(128, positive=True, help="prompt tokens kept (longer prompts are cut from the left)")
+    max_completion_length: int = key(128, positive=True, help="most tokens generated per completion")
+    temperature: float = key(1.0, non_negative=True, help="sampling temperature; 0 = greedy")
+    top_k: int = key(0, non_negative=True, help="sample among the k most likely tokens; 0 = all")
+    top_p: float = key(1.0, interval="(0, 1]",
+        help="nucleus sampling: the smallest set of tokens with this much probability")
+    eval_num_prompts: int = key(256, non_negative=True, resumable=True,
+        help="held-out prompts evaluated; 0 = the whole eval split")
+    eval_k: int = key(8, non_negative=True, resumable=True,
+        help="samples per prompt for pass@k / maj@k; 0 = greedy only")
 
 # %% ../nbs/00_config.ipynb
 @dataclass
 class TrainConfig(RunConfig):
     "What training commands add: the optimizer and its schedule, memory, checkpoints and logging."
-    train_split: str = "train"
-    eval_on_train: bool = False  # allow the held-out split to be the training split (on purpose)
-    steps: int = key(100, positive=True, resumable=True)
-    global_batch_size: int = key(16, positive=True)
-    # micro-batches per optimizer step (less memory, same gradient)
-    gradient_accumulation_steps: int = key(1, positive=True, resumable=True)
-    # the optimizer: a resume may change it
-    learning_rate: float = key(3e-4, positive=True, resumable=True)
-    lr_schedule: str = key("cosine", choices="maxpost.train:LR_SCHEDULES", resumable=True)
-    warmup_steps: int = key(10, non_negative=True, resumable=True)
-    weight_decay: float = key(0.0, non_negative=True, resumable=True)
-    adam_b1: float = key(0.9, interval="[0, 1)", resumable=True)
-    adam_b2: float = key(0.999, interval="[0, 1)", resumable=True)
-    max_grad_norm: float = key(1.0, positive=True, resumable=True)
+    train_split: str = key("train", help="the training split (slices such as train[:256] select rows)")
+    eval_on_train: bool = key(False, help="allow the held-out split to be the training split (on purpose)")
+    steps: int = key(100, positive=True, resumable=True, help="optimizer steps of the run")
+    global_batch_size: int = key(16, positive=True,
+        help="examples (RL: completions) per optimizer step, over all devices")
+    gradient_accumulation_steps: int = key(1, positive=True, resumable=True,
+        help="micro-batches per optimizer step: less memory, the same gradient")
+    learning_rate: float = key(3e-4, positive=True, resumable=True, help="peak learning rate")
+    lr_schedule: str = key("cosine", choices="maxpost.train:LR_SCHEDULES", resumable=True,
+        help="the learning-rate schedule after warmup")
+    warmup_steps: int = key(10, non_negative=True, resumable=True, help="steps of linear warmup from 0")
+    weight_decay: float = key(0.0, non_negative=True, resumable=True, help="AdamW weight decay")
+    adam_b1: float = key(0.9, interval="[0, 1)", resumable=True, help="Adam's first-moment decay")
+    adam_b2: float = key(0.999, interval="[0, 1)", resumable=True, help="Adam's second-moment decay")
+    max_grad_norm: float = key(1.0, positive=True, resumable=True, help="clip the gradient to this global norm")
     # memory
-    # auto (the cheapest that fits) | none | minimal | full: recomputed in the backward
-    remat_policy: str = key("auto", choices="maxpost.train:REMAT_CHOICES", resumable=True)
-    # tokens per chunk of the output layer + loss; 0 = whole [B,T,V] logits
-    logits_chunk_size: int = key(1024, non_negative=True, resumable=True)
-    check_memory: bool = key(True, resumable=True)  # compile the step first and stop if it cannot fit the device
+    remat_policy: str = key("auto", choices="maxpost.train:REMAT_CHOICES", resumable=True,
+        help="what the backward recomputes; auto = the cheapest policy that fits the device")
+    logits_chunk_size: int = key(1024, non_negative=True, resumable=True,
+        help="tokens per chunk of the output layer + loss; 0 = the whole [B,T,V] logits")
+    check_memory: bool = key(True, resumable=True, help="compile the step first and stop if it cannot fit the device")
     # bookkeeping
-    log_period: int = key(10, positive=True, resumable=True)
-    eval_interval: int = key(0, non_negative=True, resumable=True)  # 0 = only at the end
-    checkpoint_period: int = key(100, positive=True, resumable=True)
-    max_checkpoints_to_keep: int = key(2, positive=True, resumable=True)
-    save_hf: bool = key(False, resumable=True)  # also write a Hugging Face directory at the end (with LoRA: the merged model)
-    # LoRA (chapter 03c_lora): train low-rank adapters on a frozen base; 0 = train every weight
-    lora_rank: int = key(0, non_negative=True)
-    # the update is scaled by lora_alpha / lora_rank (/ sqrt(lora_rank) with rsLoRA)
-    lora_alpha: float = key(32.0, positive=True)
-    # all-linear, or projections joined by commas: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
-    lora_target_modules: str = "all-linear"
-    lora_dropout: float = 0.0  # only 0: maxpost applies no dropout to the adapters' input
-    lora_use_rslora: bool = False  # scale by lora_alpha / sqrt(lora_rank) (Kalajdzievski, 2023)
-    load_adapter_path: str = ""  # a peft adapter directory the adapters start from (same rank and targets)
-    # also write the adapters as a peft directory {run_dir}/adapter at the end
-    save_adapter: bool = key(False, resumable=True)
+    log_period: int = key(10, positive=True, resumable=True, help="log metrics every this many steps")
+    eval_interval: int = key(0, non_negative=True, resumable=True,
+        help="evaluate every this many steps; 0 = only at the end")
+    checkpoint_period: int = key(100, positive=True, resumable=True,
+        help="save a checkpoint every this many steps (and at the end)")
+    max_checkpoints_to_keep: int = key(2, positive=True, resumable=True,
+        help="newest checkpoints kept; older ones are deleted")
+    save_hf: bool = key(False, resumable=True,
+        help="also write a Hugging Face directory {run_dir}/hf at the end (with LoRA: the merged model)")
+    lora_rank: int = key(0, non_negative=True,
+        help="rank of LoRA adapters trained on a frozen base; 0 = train every weight")
+    lora_alpha: float = key(32.0, positive=True,
+        help="the adapters' update is scaled by lora_alpha / lora_rank (/ sqrt(lora_rank) with rsLoRA)")
+    lora_target_modules: str = key("all-linear",
+        help="all-linear, or projections joined by commas: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+    lora_dropout: float = key(0.0, help="only 0: maxpost applies no dropout to the adapters' input")
+    lora_use_rslora: bool = key(False, help="scale by lora_alpha / sqrt(lora_rank) (rsLoRA, Kalajdzievski 2023)")
+    load_adapter_path: str = key("", help="a peft adapter directory the adapters start from (same rank and targets)")
+    save_adapter: bool = key(False, resumable=True,
+        help="also write the adapters as a peft directory {run_dir}/adapter at the end")
 
     def batch_problems(self) -> list[str]:
         "How the global batch splits into micro-batches."
@@ -163,42 +182,54 @@ class TrainConfig(RunConfig):
 @dataclass
 class SFTConfig(TrainConfig, QAConfig):
     "Supervised fine-tuning."
-    data_format: str = key("auto", choices="maxpost.data:DATA_FORMATS")
-    messages_column: str = "messages"
-    prompt_column: str = "prompt"
-    completion_column: str = "completion"
-    text_column: str = "text"
-    train_on: str = key("auto", choices="maxpost.data:TRAIN_ON")  # auto (assistant / completion tokens) | all
-    max_target_length: int = key(256, positive=True)
-    # stop when more of the data is dropped (no target left after truncation)
-    max_dropped_share: float = key(0.5, interval="[0, 1]")
-    packing: bool = True
-    z_loss: float = key(0.0, non_negative=True)
-    eval_batches: int = key(4, positive=True, resumable=True)
+    data_format: str = key("auto", choices="maxpost.data:DATA_FORMATS",
+        help="how rows become conversations; auto = detect from the columns")
+    messages_column: str = key("messages", help="the column of chat messages (data_format=messages)")
+    prompt_column: str = key("prompt", help="the prompt column (data_format=prompt_completion)")
+    completion_column: str = key("completion", help="the completion column (data_format=prompt_completion)")
+    text_column: str = key("text", help="the text column (data_format=text)")
+    train_on: str = key("auto", choices="maxpost.data:TRAIN_ON",
+        help="which tokens the loss counts: auto = the assistant / completion tokens, all = every token")
+    max_target_length: int = key(256, positive=True,
+        help="tokens per example (longer ones are truncated) and per packed row")
+    max_dropped_share: float = key(0.5, interval="[0, 1]",
+        help="stop when more of the data is dropped (no target left after truncation)")
+    packing: bool = key(True, help="pack several examples into one row")
+    z_loss: float = key(0.0, non_negative=True, help="weight of the z-loss (log of the softmax normaliser squared)")
+    eval_batches: int = key(4, positive=True, resumable=True, help="held-out batches per evaluation")
 
 # %% ../nbs/00_config.ipynb
 @dataclass
 class RLConfig(TrainConfig, GenerationConfig):
     "Reinforcement learning with group-relative policy optimisation (GRPO, GSPO)."
-    num_generations: int = key(8, positive=True)
-    loss_algo: str = key("grpo", choices="maxpost.policy_loss:LOSS_ALGOS")
-    epsilon_low: Optional[float] = key(None, non_negative=True)  # None = the algorithm's default
-    epsilon_high: Optional[float] = key(None, non_negative=True)
-    beta: float = key(0.0, non_negative=True)
-    kl_estimator: str = key("k3", choices="maxpost.policy_loss:KL_ESTIMATORS")
-    # None = the algorithm's default
-    loss_agg_mode: Optional[str] = key(None, choices="maxpost.policy_loss:LOSS_AGG_CHOICES")
-    advantage_scale: str = key("group", choices="maxpost.advantages:SCALES")
-    num_iterations: int = key(1, positive=True)  # mu: passes over each rollout batch
-    # rows per optimizer step within a rollout batch (whole groups); 0 = all
-    mini_batch_size: int = key(0, non_negative=True)
-    reward_functions: list[str] = field(default_factory=lambda: ["correctness", "format"])
-    reward_weights: list[float] = field(default_factory=lambda: [1.0, 0.1])
-    # a reward call past it scores 0 (its worker process is restarted)
-    reward_timeout_s: float = key(10.0, positive=True, resumable=True)
-    # process: a worker process per function (a timeout stops it) | thread
-    reward_isolation: str = key("process", choices="maxpost.rewards:REWARD_ISOLATION")
-    rollout_engine: str = key("maxpost", choices="maxpost.rl:ROLLOUT_ENGINES")
+    num_generations: int = key(8, positive=True,
+        help="completions per prompt (G), the group of group-relative advantages")
+    loss_algo: str = key("grpo", choices="maxpost.policy_loss:LOSS_ALGOS",
+        help="token-level (grpo) or sequence-level (gspo, gspo-token) importance ratios")
+    epsilon_low: Optional[float] = key(None, non_negative=True,
+        help="lower clip of the ratio; null = the algorithm's (grpo 0.2, gspo 3e-4)")
+    epsilon_high: Optional[float] = key(None, non_negative=True,
+        help="upper clip of the ratio; null = the algorithm's (grpo 0.28, gspo 4e-4)")
+    beta: float = key(0.0, non_negative=True,
+        help="weight of the KL penalty to the reference policy; 0 = no reference model")
+    kl_estimator: str = key("k3", choices="maxpost.policy_loss:KL_ESTIMATORS",
+        help="the estimator of the KL penalty (beta > 0)")
+    loss_agg_mode: Optional[str] = key(None, choices="maxpost.policy_loss:LOSS_AGG_CHOICES",
+        help="how token losses are averaged; null = the algorithm's (gspo: sequence-mean-token-mean, else token-mean)")
+    advantage_scale: str = key("group", choices="maxpost.advantages:SCALES",
+        help="what the group-relative advantage is divided by: the group's std, the batch's, or nothing")
+    num_iterations: int = key(1, positive=True, help="mu: optimizer passes over each rollout batch")
+    mini_batch_size: int = key(0, non_negative=True,
+        help="rows per optimizer step within a rollout batch (whole groups); 0 = all")
+    reward_functions: list[str] = key(factory=lambda: ["correctness", "format"],
+        help="reward functions by name (correctness, format, ...) or module:function")
+    reward_weights: list[float] = key(factory=lambda: [1.0, 0.1], help="one weight per reward function")
+    reward_timeout_s: float = key(10.0, positive=True, resumable=True,
+        help="a reward call past it scores 0 (its worker process is restarted)")
+    reward_isolation: str = key("process", choices="maxpost.rewards:REWARD_ISOLATION",
+        help="process: a worker process per function (a timeout stops it); thread: in this process")
+    rollout_engine: str = key("maxpost", choices="maxpost.rl:ROLLOUT_ENGINES",
+        help="the sampler of the rollouts: maxpost's own, or vLLM")
 
     def batch_problems(self) -> list[str]:
         "Groups, mini-batches of whole groups, micro-batches of whole groups (instead of `TrainConfig`'s split)."
@@ -216,6 +247,15 @@ class RLConfig(TrainConfig, GenerationConfig):
                        "of a mini-batch (each micro-batch holds whole groups)")
         return out
 
+    @classmethod
+    def defaults_from(cls, values: dict) -> dict:
+        "The algorithm's defaults that `None` stands for: `epsilon_low`, `epsilon_high` (`maxpost.rl.DEFAULT_EPSILONS`) and `loss_agg_mode` of `values['loss_algo']`."
+        eps = importlib.import_module("maxpost.rl").DEFAULT_EPSILONS
+        if values.get("loss_algo") not in eps: return {}   # a wrong word: validate names it
+        low, high = eps[values["loss_algo"]]
+        agg = "sequence-mean-token-mean" if values["loss_algo"] == "gspo" else "token-mean"
+        return dict(epsilon_low=low, epsilon_high=high, loss_agg_mode=agg)
+
     def problems(self) -> list[str]:
         "`TrainConfig`'s problems (with the group checks) and one weight per reward function."
         out = super().problems()
@@ -228,7 +268,7 @@ class RLConfig(TrainConfig, GenerationConfig):
 @dataclass
 class EvalConfig(GenerationConfig):
     "Evaluating a checkpoint: pass@1, pass@k, maj@k and format rate on held-out prompts."
-    run_name: str = ""  # "" = eval-<checkpoint>, next to the runs under base_output_directory
+    run_name: str = key("", help="the evaluation's directory name; \"\" = eval-<checkpoint>, next to the runs")
 
 
 CONFIG_CLASSES = {"sft": SFTConfig, "rl": RLConfig, "eval": EvalConfig}   # the command -> its config class
@@ -336,6 +376,12 @@ def validate(cfg: RunConfig) -> RunConfig:
     return cfg
 
 # %% ../nbs/00_config.ipynb
+def derived_defaults(cls, values: dict) -> dict:
+    "The keys of `values` (a config of class `cls` as a dict) that are `None` and follow from other keys, with their values: what the run uses, so the config and its record say it."
+    return {k: v for k, v in cls.defaults_from(values).items() if values.get(k) is None}
+
+
+# %% ../nbs/00_config.ipynb
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" if "__file__" in globals() else Path("../configs").resolve()
 
 def default_base(kind: str) -> Optional[Path]:
@@ -362,10 +408,23 @@ def parse_overrides(overrides: Sequence[str]) -> list[str]:
     return list(overrides)
 
 # %% ../nbs/00_config.ipynb
+def _yaml_problem(e: yaml.YAMLError, text: str | None = None) -> str:
+    "What the YAML parser says and where (line and column, 1-based; for a one-line `text`, the column in it)."
+    mark, ctx = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
+    what = getattr(e, "problem", None) or str(e).splitlines()[0]
+    one_line = text is not None and "\n" not in text
+    def at(m):
+        if not one_line: return f"line {m.line + 1}, column {m.column + 1}"
+        return f"column {m.column + 1}" if m.line == 0 else f"column {len(text) + 1} (the end of the value)"
+    out = what + (f" at {at(mark)}" if mark is not None else "")
+    if ctx is not None and getattr(e, "context", None): out += f", {e.context} opened at {at(ctx)}"
+    return out
+
 def _read_base(base: Path, cls) -> Any:
     "The YAML base as an OmegaConf mapping, its keys checked."
     if not base.exists(): raise ConfigError(f"config base {str(base)!r} does not exist")
     try: y = OmegaConf.load(base)
+    except yaml.YAMLError as e: raise ConfigError(f"config base {str(base)!r} is not valid YAML: {_yaml_problem(e)}") from None
     except (OmegaConfBaseException, ValueError, OSError) as e:
         raise ConfigError(f"config base {str(base)!r} is not readable YAML: {str(e).splitlines()[0]}") from None
     if not OmegaConf.is_dict(y):
@@ -380,7 +439,11 @@ def load_config(kind, overrides: Sequence[str] = (), base: str | Path | None = "
     cls = CONFIG_CLASSES[kind] if isinstance(kind, str) else kind
     if base == "default": base = default_base(kind) if isinstance(kind, str) else None
     layers = [(str(base), _read_base(Path(base), cls))] if base is not None else []
-    dl = OmegaConf.from_dotlist(parse_overrides(overrides))
+    for o in parse_overrides(overrides):   # one at a time, so that a YAML error names its override
+        try: OmegaConf.from_dotlist([o])
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {o!r}: the value is not valid YAML: {_yaml_problem(e, o.split('=', 1)[1])}") from None
+    dl = OmegaConf.from_dotlist(list(overrides))
     _check_keys(cls, list(dl.keys()), "the overrides")
     merged = OmegaConf.structured(cls)
     for where, layer in layers + [("the overrides", dl)]:
@@ -388,11 +451,12 @@ def load_config(kind, overrides: Sequence[str] = (), base: str | Path | None = "
         for k, v in raw.items():
             if v is None and _type_name(cls, k) == "str": v = ""   # `key=` empties a text field
             try: merged = OmegaConf.merge(merged, {k: v})
-            except OmegaConfBaseException as e:
+            except (OmegaConfBaseException, TypeError, ValueError) as e:
                 raise ConfigError(f"{k}={v!r} (from {where}) is not a valid {_type_name(cls, k)}: "
                                   f"{str(e).splitlines()[0]}") from None
     try: values = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as e: raise ConfigError(f"cannot resolve the config: {e}") from None
+    values.update(derived_defaults(cls, values))   # what `None` stands for, written in: the record says what runs
     return validate(cls(**{f.name: values[f.name] for f in fields(cls) if f.init}))
 
 # %% ../nbs/00_config.ipynb
@@ -401,6 +465,27 @@ def run_dir(cfg: RunConfig) -> Path:
     return Path(os.path.expanduser(cfg.base_output_directory)) / cfg.run_name
 
 # %% ../nbs/00_config.ipynb
-def to_yaml(cfg: RunConfig) -> str:
-    "The config as YAML: the exact (resolved) record of a run, loadable as a base."
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+def to_yaml(cfg: RunConfig, *, comments: bool = False) -> str:
+    "The config as YAML: the exact (resolved) record of a run, loadable as a base; `comments`: each key's help after it."
+    text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    if not comments: return text
+    helps = {f.name: f.metadata.get("help", "") for f in fields(cfg)}
+    lines = [l + (f"  # {helps[k]}" if (k := l.split(":", 1)[0]) in helps and helps[k] and not l.startswith(" ") else "")
+             for l in text.splitlines()]
+    return "\n".join(lines) + "\n"
+
+# %% ../nbs/00_config.ipynb
+def _flow(v) -> str:
+    "A value as it is written on the command line (YAML flow style)."
+    return yaml.safe_dump(v, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+
+def describe_keys(cls) -> str:
+    "Every key of config class `cls`, one per line: its type, default, help, words, and whether a resume may change it."
+    out = []
+    for f in fields(cls):
+        m, default = f.metadata, f.default_factory() if f.default_factory is not _NO_DEFAULT else f.default
+        about = [_type_name(cls, f.name), "required" if default == MISSING else f"default {_flow(default)}"]
+        if m.get("resumable"): about.append("resumable")
+        words = f"; one of: {', '.join(_words(m['choices']))}" if "choices" in m else ""
+        out.append(f"  {f.name} ({', '.join(about)}): {m.get('help', '')}{words}")
+    return "\n".join(out)

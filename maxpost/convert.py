@@ -63,10 +63,26 @@ def maxpost_to_hf(run_or_step, out_dir) -> Path:
 # %% ../nbs/16_convert.ipynb
 def _is_nonempty_dir(p: Path) -> bool: return p.is_dir() and any(p.iterdir())
 
+def _alive(pid: int) -> bool:
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    except (PermissionError, OverflowError): return True
+    return True
+
+def _remove_stale(dst: Path) -> list[Path]:
+    "Remove the temporaries `.DST.convert-PID` / `.DST.old-PID` that a killed convert left next to `dst` (its PID is gone)."
+    gone = []
+    for p in dst.parent.glob(f".{dst.name}.*-*"):
+        kind, _, pid = p.name[len(dst.name) + 2:].rpartition("-")
+        if kind in ("convert", "old") and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True); gone.append(p)
+    return gone
+
 def _write_replacing(dst: Path, write) -> Path:
-    "Run `write(tmp)` into a fresh sibling of `dst`, then put it in place of `dst` (removing the old one)."
+    "Run `write(tmp)` into a fresh sibling of `dst`, then put it in place of `dst` (removing the old one, and what a killed convert left)."
     dst = dst.absolute()
     dst.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(dst)
     tmp, old = dst.with_name(f".{dst.name}.convert-{os.getpid()}"), dst.with_name(f".{dst.name}.old-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try: write(tmp)
@@ -90,7 +106,9 @@ def _convert_parser() -> argparse.ArgumentParser:
                                                    "MaxText name such as qwen3-4b, or a family: llama3, llama3.1, qwen3, gemma3)")
     p.add_argument("--model-overrides", default="", help="MaxText SRC: YAML/JSON dict of ModelConfig fields, e.g. "
                                                         "'{rope_theta: 10000.0}'")
-    p.add_argument("--tokenizer", default="", help="a tokenizer directory to copy into DST (MaxText SRC has none)")
+    p.add_argument("--tokenizer", default="", help="a tokenizer directory to copy into DST (default: the one SRC holds: "
+                                                   "a Hugging Face directory's, a maxpost run's tokenizer/, a MaxText "
+                                                   "checkpoint's tokenizer/ when it has one)")
     p.add_argument("--unscanned", action="store_true", help="--to maxtext: one entry per layer (layers_<i>)")
     p.add_argument("--no-ocdbt", action="store_true", help="--to maxtext: one directory per array instead of OCDBT")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="dtype of the weights written")
@@ -115,7 +133,19 @@ def _read_any(kind: str, src: Path, a) -> tuple[Decoder, Path | None]:
     import yaml
     if not a.model_name: raise ValueError("a MaxText checkpoint does not say which model it holds: pass --model-name")
     overrides = yaml.safe_load(a.model_overrides) if a.model_overrides else {}
-    return load_maxtext(src, a.model_name, overrides=overrides, dtype=a.dtype), None
+    return load_maxtext(src, a.model_name, overrides=overrides, dtype=a.dtype), _maxtext_tokenizer(src)
+
+def _has_tokenizer(d: Path) -> bool:
+    return any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+def _maxtext_tokenizer(src: Path) -> Path | None:
+    "The tokenizer a MaxText checkpoint directory holds, if any: in SRC, its <step> or its root, or their tokenizer/."
+    from maxpost.maxtext import find_maxtext_items
+    items = find_maxtext_items(src)   # <root>/<step>/items
+    for d in dict.fromkeys([Path(src), items.parent, items.parent.parent]):
+        for c in (d / "tokenizer", d):
+            if c.is_dir() and _has_tokenizer(c): return c
+    return None
 
 def _merge_adapter(model: Decoder, adapter: Path) -> Decoder:
     "`model` with the peft LoRA adapter in `adapter` (rank, alpha and targets from its config) merged in."

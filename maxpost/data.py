@@ -15,10 +15,10 @@ import numpy as np
 from .config import ConfigError
 
 # %% auto 0
-__all__ = ['FORMATS', 'DATA_FORMATS', 'TRAIN_ON', 'load_tokenizer', 'detect_format', 'dataset_splits', 'load_dataset_split',
-           'same_rows', 'assistant_spans', 'encode_chat', 'show_mask', 'encode_example', 'Examples', 'tokenize_dataset',
-           'check_examples', 'pack_best_fit', 'make_rows', 'padding_fraction', 'BatchIterator', 'make_sft_iterator',
-           'encode_prompt']
+__all__ = ['FORMATS', 'DATA_FORMATS', 'TRAIN_ON', 'CHAT_ROLES', 'load_tokenizer', 'detect_format', 'dataset_splits',
+           'load_dataset_split', 'same_rows', 'assistant_spans', 'encode_chat', 'show_mask', 'encode_example',
+           'Examples', 'tokenize_dataset', 'check_examples', 'pack_best_fit', 'make_rows', 'padding_fraction',
+           'BatchIterator', 'make_sft_iterator', 'encode_prompt']
 
 # %% ../nbs/04_data.ipynb
 def load_tokenizer(path: str | Path, *, chat_template: str | None = None):
@@ -167,6 +167,7 @@ def load_dataset_split(name_or_path: str | Path, split: str = "train", *, datase
                        data_files: str | Sequence[str] | dict | None = None):
     "One split of a dataset: a hub name, a local directory, jsonl/json/parquet/csv file(s) or `reasoning_gym:<task>`; an unknown split is an error."
     import datasets
+    datasets.disable_progress_bars(); datasets.logging.set_verbosity_error()   # no "Generating train split" bars in a run's log
     if str(name_or_path).startswith("reasoning_gym:"):        # a reasoning-gym task, generated (chapter 03d)
         from maxpost.reasoning_gym import load_reasoning_gym, task_of
         return load_reasoning_gym(task_of(name_or_path), split, dataset_config)
@@ -286,9 +287,14 @@ def _text(x, what: str) -> str:
     if not isinstance(x, str): raise ValueError(f"{what} should be a string, got {type(x).__name__}: {x!r:.80}")
     return x
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")   # what chat templates know
+
 def _check_messages(msgs, what: str) -> list[dict]:
     if not isinstance(msgs, (list, tuple)) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
         raise ValueError(f"{what} should be a list of {{'role', 'content'}} messages, got {msgs!r:.120}")
+    if bad := [m["role"] for m in msgs if m["role"] not in CHAT_ROLES]:   # a template may drop it or render it as text
+        raise ValueError(f"{what} has a message with role {bad[0]!r}, which chat templates do not know (roles: "
+                         f"{', '.join(CHAT_ROLES)}); map it to one of them (ShareGPT's human/gpt are user/assistant)")
     return list(msgs)
 
 def _with_eos(tokenizer, ids: list[int]) -> list[int]:
@@ -374,8 +380,8 @@ def tokenize_dataset(dataset, tokenizer, *, max_target_length: int, data_format:
         try:
             ids, mask = encode_example(tokenizer, ex, fmt, train_on=train_on, use_chat_template=use_chat_template,
                                        system_prompt=system_prompt, chat_template_kwargs=chat_template_kwargs, **columns)
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"example {i} ({fmt} format): {e}") from e
+        except (ValueError, KeyError, TypeError) as e:   # the data is the input: a ConfigError (exit 2) naming the row
+            raise ConfigError(f"example {i} ({fmt} format): {e}") from e
         longest = max(longest, len(ids))
         if len(ids) > max_target_length: ids, mask, truncated = ids[:max_target_length], mask[:max_target_length], truncated + 1
         if not any(mask): dropped += 1; continue

@@ -161,8 +161,8 @@ def _target_set(t) -> tuple[str, ...]:
 
 # %% ../nbs/03c_lora.ipynb
 def load_adapter(model: Decoder, path) -> Decoder:
-    "Set the adapters of `model` (attached with `add_lora`) from the peft adapter directory `path`, in place; a rank, scale, target or shape that disagrees is a `ValueError` naming it."
-    from safetensors import safe_open
+    "Set the adapters of `model` (attached with `add_lora`) from the peft adapter directory `path`, in place; a rank, scale, target or shape that disagrees, or a truncated file, is a `ValueError` naming it."
+    from maxpost.checkpoint import _open_safetensors
     cfg, ads = read_adapter_config(path), _adapters(model)
     if not ads: raise ValueError("the model has no adapters to load into: set lora_rank")
     one = next(iter(ads.values()))
@@ -177,7 +177,7 @@ def load_adapter(model: Decoder, path) -> Decoder:
         raise ValueError(f"{path} scales its update by {scale:g} (lora_alpha={cfg.get('lora_alpha')}, "
                          f"use_rslora={cfg.get('use_rslora', False)}), the run by {one.scale:g}: set lora_alpha / "
                          "lora_use_rslora to the adapter's")
-    with safe_open(Path(path) / "adapter_model.safetensors", framework="numpy") as f:
+    with _open_safetensors(Path(path) / "adapter_model.safetensors") as f:   # a truncated file: ValueError naming it
         names = set(f.keys())
         want = {_peft_name(i, n, x) for (i, n) in ads for x in "AB"}
         if names != want:

@@ -17,11 +17,12 @@ from . import sharding, tasks, model as mm
 from .checkpoint import checkpoint_manager, save_limit_gb, save_state, restore_state
 
 # %% auto 0
-__all__ = ['make_run_mesh', 'model_options', 'set_model_options', 'model_config_for', 'is_hf_dir', 'find_run_checkpoint',
-           'read_model_config', 'load_policy', 'lora_options', 'attach_adapters', 'check_lora_base', 'effective_config',
-           'lora_run_config', 'load_lora_run', 'embedded_task_dir', 'embedded_split', 'eval_source', 'check_held_out',
-           'tokenizer_dir', 'check_vocab', 'Setup', 'setup_run', 'RunLocked', 'RunLock', 'as_scalar', 'read_metrics',
-           'MetricsLogger', 'split_base', 'run_command']
+__all__ = ['INPUT_KEYS', 'make_run_mesh', 'model_options', 'set_model_options', 'model_config_for', 'is_hf_dir',
+           'find_run_checkpoint', 'read_model_config', 'load_policy', 'lora_options', 'attach_adapters',
+           'check_lora_base', 'effective_config', 'lora_run_config', 'load_lora_run', 'embedded_task_dir',
+           'embedded_split', 'eval_source', 'check_held_out', 'tokenizer_dir', 'check_vocab', 'missing_inputs',
+           'check_inputs', 'Setup', 'setup_run', 'RunLocked', 'RunLock', 'as_scalar', 'read_metrics', 'MetricsLogger',
+           'split_base', 'run_command']
 
 # %% ../nbs/07b_setup.ipynb
 def make_run_mesh(cfg: RunConfig) -> jax.sharding.Mesh:
@@ -94,7 +95,9 @@ def load_policy(cfg: RunConfig, mesh) -> nnx.Module:
                           "describes its own architecture; drop model_overrides")
     if is_hf_dir(path):
         from maxpost.checkpoint import load_hf
-        model = load_hf(path, dtype=jnp.dtype(cfg.param_dtype), mesh=mesh, remat=opts["remat"], compute_dtype=cfg.dtype)
+        try: model = load_hf(path, dtype=jnp.dtype(cfg.param_dtype), mesh=mesh, remat=opts["remat"], compute_dtype=cfg.dtype)
+        except (ValueError, KeyError, FileNotFoundError) as e:   # an architecture or file maxpost cannot read
+            raise ConfigError(f"load_parameters_path={path!r}: {str(e).strip(chr(39))}") from None
         return set_model_options(model, attention=opts["attention"])
     try: run, step = find_run_checkpoint(path)
     except FileNotFoundError:
@@ -221,6 +224,32 @@ def check_vocab(tokenizer, model_cfg: mm.ModelConfig) -> None:
                           "tokenizer, or a model_name / load_parameters_path whose vocabulary covers it")
 
 # %% ../nbs/07b_setup.ipynb
+INPUT_KEYS = ("dataset_name", "eval_dataset_name", "load_parameters_path", "tokenizer_path", "load_adapter_path")
+_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".arrow", ".gz", ".zst")
+
+def _is_local_name(name: str) -> bool:
+    "A dataset name that can only be a local path: absolute, relative (./ ../ ~), or a data file's name."
+    return name.startswith(("/", "./", "../", "~")) or name.lower().endswith(_DATA_SUFFIXES)
+
+def missing_inputs(cfg: RunConfig) -> list[str]:
+    "The keys of `INPUT_KEYS` in `cfg` that name a local path that does not exist, each as a sentence."
+    out = []
+    for k in INPUT_KEYS:
+        v = getattr(cfg, k, "")
+        if not v or "://" in v or v.startswith("reasoning_gym:") or any(c in v for c in "*?["): continue
+        if k.endswith("dataset_name") and not _is_local_name(v): continue   # maybe a hub name
+        if not Path(os.path.expanduser(v)).exists(): out.append(f"{k}={v!r} does not exist")
+    return out
+
+def check_inputs(cfg: RunConfig) -> RunConfig:
+    "Refuse a config whose input paths do not exist (`ConfigError` naming each), before anything else runs."
+    if problems := missing_inputs(cfg):
+        raise ConfigError("; ".join(problems) + ": give an existing path (a typo? a relative path is taken from "
+                          f"{os.getcwd()})")
+    return cfg
+
+
+# %% ../nbs/07b_setup.ipynb
 @dataclasses.dataclass
 class Setup:
     "What every command starts from."
@@ -232,6 +261,7 @@ class Setup:
 def setup_run(cfg: RunConfig) -> Setup:
     "The mesh, the tokenizer and the policy of `cfg` (on the mesh), the tokenizer checked against the model."
     from maxpost.data import load_tokenizer
+    check_inputs(cfg)
     mesh = make_run_mesh(cfg)
     default = None if cfg.dataset_name else tasks.prepare_embedded(embedded_task_dir(cfg), seed=cfg.seed)["tokenizer"]
     tok_dir = tokenizer_dir(cfg, default)
@@ -252,20 +282,32 @@ class RunLock:
     def __enter__(self):
         if not self.enabled: return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            owner = self.path.read_text().strip() or "another process"
-            raise RunLocked(f"run directory {self.path.parent} is in use by {owner}; wait for it to end, or choose "
-                            f"another run_name") from None
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                try: owner = self.path.read_text().strip() or "another process"
+                except FileNotFoundError: continue          # its holder just ended: try again
+                raise RunLocked(f"run directory {self.path.parent} is in use by {owner}; wait for it to end, or choose "
+                                f"another run_name") from None
+            if _same_file(fd, self.path): break
+            os.close(fd)   # locked a file its holder removed on exit: the lock is the file now at the path
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
         self.fd = fd
         return self
 
     def __exit__(self, *exc):
-        if self.fd is not None: fcntl.flock(self.fd, fcntl.LOCK_UN); os.close(self.fd); self.fd = None
+        if self.fd is None: return
+        if _same_file(self.fd, self.path): self.path.unlink()   # removed while still held: a waiter then retries
+        fcntl.flock(self.fd, fcntl.LOCK_UN); os.close(self.fd); self.fd = None
+
+def _same_file(fd: int, path: Path) -> bool:
+    "Whether the open file `fd` is the file at `path` (not one removed from it)."
+    try: st = os.stat(path)
+    except FileNotFoundError: return False
+    return (st.st_dev, st.st_ino) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
 
 # %% ../nbs/07b_setup.ipynb
 def as_scalar(v):
@@ -279,13 +321,18 @@ def read_metrics(directory, kind: str | None = None) -> list[dict]:
     return [r for r in recs if kind is None or r.get("kind") == kind]
 
 # %% ../nbs/07b_setup.ipynb
+def _interactive() -> bool:
+    "Whether progress goes to a person watching: a terminal, or a Jupyter kernel (a widget bar)."
+    return getattr(sys.stderr, "isatty", lambda: False)() or "ipykernel" in sys.modules
+
 class MetricsLogger:
-    "Append metrics to `{directory}/metrics.jsonl` and TensorBoard; show a tqdm progress bar. Records past `initial_step` (from before a resume) are dropped first."
+    "Append metrics to `{directory}/metrics.jsonl` and TensorBoard; show a tqdm bar on a terminal, else one plain line per logged step (stderr). Records past `initial_step` (from before a resume) are dropped first."
     def __init__(self, directory, total_steps: int, initial_step: int = 0, desc: str = "train", progress: bool = True,
                  show: Sequence[str] = ("loss",)):
-        from tqdm.auto import tqdm
         self.primary, self.path, self.tb = jax.process_index() == 0, Path(directory) / "metrics.jsonl", None
         self.show = tuple(show)   # the metrics the bar shows (each kind names its own: a trainer's `progress_keys`)
+        self.mode = "off" if not (progress and self.primary) else "bar" if _interactive() else "lines"
+        self.total, self.desc, self.step, self.bar, self.postfix = total_steps, desc, initial_step, None, {}
         if self.primary:
             Path(directory).mkdir(parents=True, exist_ok=True)
             if self.path.exists():   # a resume redoes the steps after `initial_step`; a new run starts empty
@@ -296,8 +343,14 @@ class MetricsLogger:
                 from tensorboardX import SummaryWriter
                 self.tb = SummaryWriter(str(Path(directory) / "tensorboard"), purge_step=initial_step + 1)
             except ImportError: pass
-        self.bar = tqdm(total=total_steps, initial=initial_step, desc=desc, disable=not (progress and self.primary),
-                        dynamic_ncols=True)
+
+    def _bar(self):
+        "The bar, made at the first step (not before: lines printed while the step compiles would be glued onto it)."
+        from tqdm.auto import tqdm
+        if self.bar is None:
+            self.bar = tqdm(total=self.total, initial=self.step, desc=self.desc, dynamic_ncols=True)
+            self.bar.set_postfix(self.postfix, refresh=False)
+        return self.bar
 
     def log(self, step: int, metrics: dict[str, Any], kind: str = "train") -> dict:
         rec = {"step": int(step), "kind": kind, **{k: as_scalar(v) for k, v in metrics.items()}}
@@ -307,13 +360,21 @@ class MetricsLogger:
                 for k, v in rec.items():
                     if isinstance(v, (int, float)) and k != "step": self.tb.add_scalar(f"{kind}/{k}", v, step)
             show = {k: f"{v:.4g}" for k, v in rec.items() if k in self.show and isinstance(v, float)}
-            if show: self.bar.set_postfix(show, refresh=False)
+            if show:
+                self.postfix = show
+                if self.bar is not None: self.bar.set_postfix(show, refresh=False)
+            if self.mode == "lines":   # a file or a pipe: one line per logged step, never a bar's carriage returns
+                vals = show or {k: f"{v:.4g}" for k, v in rec.items() if isinstance(v, float)}
+                print(f"{self.desc}: step {step}/{self.total} {kind} " + " ".join(f"{k}={v}" for k, v in vals.items()),
+                      file=sys.stderr, flush=True)
         return rec
 
-    def advance(self, n: int = 1): self.bar.update(n)
+    def advance(self, n: int = 1):
+        self.step += n
+        if self.mode == "bar": self._bar().update(n)
 
     def close(self):
-        self.bar.close()
+        if self.bar is not None: self.bar.close()
         if self.tb is not None: self.tb.close()
 
 # %% ../nbs/07b_setup.ipynb
@@ -325,5 +386,5 @@ def split_base(argv) -> tuple[str | Path, list[str]]:
 def run_command(kind: str, run, argv=None) -> tuple[RunConfig, Any]:
     "Load the `kind` config from `argv` (default: sys.argv) and call `run(cfg)`; returns both."
     base, overrides = split_base(sys.argv[1:] if argv is None else argv)
-    cfg = load_config(kind, overrides, base=base)
+    cfg = check_inputs(load_config(kind, overrides, base=base))   # a missing path first, before any other error
     return cfg, run(cfg)

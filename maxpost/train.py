@@ -94,16 +94,25 @@ def _as_dict(cfg: RunConfig) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg))
 
 def check_resume(directory, cfg: RunConfig, step: int) -> dict:
-    "Refuse a resume whose config changes a key that would break the run; record the allowed changes."
-    breaking, allowed = config_changes(effective_config(directory), _as_dict(cfg), resumable_keys(cfg))
+    "Refuse a resume whose config changes a key that would break the run; record the allowed changes. `step < 0`: a check before the run starts (names the newest checkpoint, records nothing)."
+    from maxpost.config import derived_defaults
+    d = Path(directory)
+    if precheck := step < 0:
+        step = max((int(p.name) for p in (d / "checkpoints").glob("*") if p.name.isdigit()), default=0)
+    saved = effective_config(d)
+    saved.update({k: v for k, v in derived_defaults(type(cfg), saved).items() if saved.get(k) is None})  # older records: null
+    breaking, allowed = config_changes(saved, _as_dict(cfg), resumable_keys(cfg))
     if breaking:
         diff = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in breaking.items())
-        raise ConfigError(f"run {directory} resumes at step {step} but these keys differ from the run's config "
-                          f"({Path(directory) / 'config.yml'}): {diff}. Put them back, or start a new run with "
-                          "another run_name (a resume may change only the keys its config class marks resumable, "
+        which = "this key differs" if len(breaking) == 1 else "these keys differ"
+        raise ConfigError(f"run_name={d.name!r} names an existing run ({d}, checkpoints up to step {step}) and "
+                          f"{which} from the config it was started with ({d / 'config.yml'}): {diff}. A run resumes "
+                          f"only with the config it started with. To train with the new value(s) from scratch, pass a "
+                          f"new run_name (e.g. run_name={d.name}-2): a new run_name starts fresh. To continue this run, "
+                          "put the value(s) back. (A resume may change only the keys marked resumable, "
                           f"maxpost.config.resumable_keys({type(cfg).__name__}): the number of steps, the cadences, the "
-                          "optimizer's settings and the layout on devices)")
-    if allowed:
+                          "optimizer's settings and the layout on devices.)")
+    if allowed and not precheck:
         rec = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changed": {k: list(v) for k, v in allowed.items()}}
         with open(Path(directory) / "config_history.jsonl", "a") as f: f.write(json.dumps(rec) + "\n")
     return allowed

@@ -409,3 +409,27 @@ def test_a_save_holds_about_its_limit_in_flight_not_a_copy_of_the_state(tmp_path
     like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in tree.items()}
     back, _, _ = restore_state(checkpoint_manager(tmp_path / "c"), like)
     for k in ("w0", "w11"): np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(tree[k]))
+
+
+def test_a_symlinked_checkpoint_step_is_never_deleted_through_and_the_run_resumes(tmp_path):
+    """issue 32, item 1: a step directory moved to another disk and linked back. Pruning keeps the link (and its
+    target) with a warning that says what to do, instead of failing the save (exit 5) and every rerun (exit 1)."""
+    import shutil
+    from maxpost.config import load_config
+    from maxpost.sft import train_sft
+    from maxpost.setup import read_metrics
+    args = [f"base_output_directory={tmp_path}", "run_name=r", "train_split=train[:64]", "eval_split=test[:8]",
+            "global_batch_size=8", "max_target_length=160", "eval_batches=1", "warmup_steps=0", "log_period=2",
+            "checkpoint_period=2", "max_checkpoints_to_keep=2"]
+    train_sft(load_config("sft", [*args, "steps=4"]), progress=False)
+    ck, away = tmp_path / "r" / "checkpoints", tmp_path / "other-disk" / "2"
+    away.parent.mkdir(); shutil.move(ck / "2", away); (ck / "2").symlink_to(away)
+    r = subprocess.run([sys.executable, "-m", "maxpost.cli", "sft", *args, "steps=6"], capture_output=True, text=True,
+                       timeout=900, cwd=ROOT, env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "checkpoint step 2" in r.stderr and "is a symbolic link" in r.stderr and "remove the link" in r.stderr
+    assert (ck / "2").is_symlink() and (away / "params").is_dir()                 # neither the link nor its target touched
+    assert sorted(p.name for p in ck.iterdir()) == ["2", "4", "6"]                # the newest 2, and the link
+    out = train_sft(load_config("sft", [*args, "steps=8"]), progress=False)       # and the run still resumes
+    assert out["step"] == 8 and [m["step"] for m in read_metrics(tmp_path / "r", "train")] == [2, 4, 6, 8]
+    assert sorted(p.name for p in ck.iterdir()) == ["2", "6", "8"]                # a real old step is still pruned

@@ -145,3 +145,39 @@ def test_choice_lists_come_from_their_owners():
     assert set(policy_loss.LOSS_AGG_MODES) <= set(choices("loss_agg_mode"))
     assert choices("advantage_scale") == advantages.SCALES and choices("rollout_engine") == tuple(rl.ROLLOUT_ENGINES)
     assert choices("lr_schedule") == train.LR_SCHEDULES
+
+
+def _old_run(tmp_path, cfg, steps=(2,)):
+    d = tmp_path / cfg.run_name
+    (d / "checkpoints").mkdir(parents=True)
+    for s in steps: (d / "checkpoints" / str(s)).mkdir()
+    (d / "config.yml").write_text(to_yaml(cfg))
+    return d
+
+
+def test_seed_is_not_resumable(tmp_path):
+    """issue 31, item 13: a resume with another seed would draw other data and initial weights than the run it
+    continues; it is refused by name, before and when the run restores."""
+    from maxpost.train import check_resume, precheck_run_dir
+    base = [f"base_output_directory={tmp_path}", "run_name=s"]
+    d = _old_run(tmp_path, load_config("sft", base))
+    for kind in ("sft", "rl"):
+        with pytest.raises(ConfigError, match="seed: 0 -> 1"): check_resume(d, load_config(kind, [*base, "seed=1"]), 2)
+    with pytest.raises(ConfigError, match="seed: 0 -> 1"): precheck_run_dir(load_config("sft", [*base, "seed=1"]))
+
+
+def test_a_run_recorded_with_null_epsilons_still_resumes(tmp_path):
+    """issue 31, item 9: config.yml now records the resolved epsilons and loss_agg_mode; a run whose record holds the
+    older `null` (the same values, left to the algorithm) still resumes, and a real change is still refused."""
+    import dataclasses, json
+    from maxpost.train import check_resume, precheck_run_dir
+    base = [f"base_output_directory={tmp_path}", "run_name=old", "loss_algo=gspo"]
+    now = load_config("rl", base)
+    assert (now.epsilon_low, now.epsilon_high, now.loss_agg_mode) == (3e-4, 4e-4, "sequence-mean-token-mean")
+    d = _old_run(tmp_path, dataclasses.replace(now, epsilon_low=None, epsilon_high=None, loss_agg_mode=None), (5,))
+    assert "epsilon_low: null" in (d / "config.yml").read_text()
+    precheck_run_dir(now)                                     # no conflict before the run starts ...
+    assert check_resume(d, dataclasses.replace(now, steps=now.steps + 5), 5) == {"steps": (now.steps, now.steps + 5)}
+    assert [list(json.loads(l)["changed"]) for l in (d / "config_history.jsonl").read_text().splitlines()] == [["steps"]]
+    with pytest.raises(ConfigError, match="epsilon_high: 0.0004 -> 0.5"):   # ... and a change is still a change
+        precheck_run_dir(load_config("rl", [*base, "epsilon_high=0.5"]))

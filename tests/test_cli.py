@@ -1,0 +1,224 @@
+"""What a new user meets at the command line (issues 31 and 32): inputs that do not exist named first, every input
+error one line with exit 2, the resume-conflict message, YAML errors with their place, plain log lines in a file,
+no lock file left behind, the resolved RL config."""
+import json, os, subprocess, sys
+from pathlib import Path
+
+import pytest
+
+from maxpost.config import load_config, to_yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+
+
+def cli(*args, cwd=None, env=None, block_torch=False, timeout=600):
+    "Run `maxpost ARGS` in a fresh process (optionally one where torch cannot be imported); stdout, stderr, code."
+    pre = ("import importlib.util as u; _f = u.find_spec\n"   # what transformers asks to decide that torch is there
+           "u.find_spec = lambda n, *a, **k: None if n.split('.')[0] == 'torch' else _f(n, *a, **k)\n") if block_torch else ""
+    code = pre + "import sys\nfrom maxpost.cli import main\nsys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd or ROOT, env=env or ENV, timeout=timeout)
+
+
+def one_line_error(r, code=2):
+    "The one line a refused command printed (asserting that it is one line and that the exit code is `code`)."
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == code and len(lines) == 1 and "Traceback" not in r.stderr, (r.returncode, r.stderr[-3000:])
+    return lines[0]
+
+
+def old_run(tmp_path, name="r", steps=(250, 500), **changes):
+    "A run directory as an earlier `maxpost sft` left it: its config.yml (with `changes`) and checkpoint steps."
+    d = tmp_path / name
+    (d / "checkpoints").mkdir(parents=True)
+    cfg = load_config("sft", [f"base_output_directory={tmp_path}", f"run_name={name}",
+                              *(f"{k}={v}" for k, v in changes.items())])
+    (d / "config.yml").write_text(to_yaml(cfg))
+    for s in steps: (d / "checkpoints" / str(s)).mkdir()
+    return d
+
+
+@pytest.mark.parametrize("command,key", [("sft", "dataset_name"), ("sft", "tokenizer_path"), ("rl", "eval_dataset_name"),
+                                         ("rl", "load_parameters_path"), ("eval", "load_parameters_path"),
+                                         ("sft", "load_adapter_path")])
+def test_an_input_that_does_not_exist_is_named_first(tmp_path, command, key):
+    """issue 31, item 1: a missing path is the first thing said, not a resume conflict with the run of the same name
+    (whose config differs), a tokenizer search or a split error."""
+    old_run(tmp_path, "r", dataset_name=str(tmp_path / "old.jsonl"))
+    extra = ["lora_rank=4"] if key == "load_adapter_path" else []
+    line = one_line_error(cli(command, f"base_output_directory={tmp_path}", "run_name=r", *extra,
+                              f"{key}={tmp_path}/nonexistent.jsonl"))
+    # (rl's default load_parameters_path, the embedded SFT run, does not exist here either: it is named next)
+    assert line.startswith(f"maxpost {command}: configuration error: {key}='{tmp_path}/nonexistent.jsonl' does not "
+                           "exist"), line
+    assert line.endswith(f": give an existing path (a typo? a relative path is taken from {ROOT})"), line
+
+
+def test_the_resume_conflict_names_the_key_the_newest_step_and_a_fresh_start(tmp_path):
+    "issue 31, items 1 and 12: the step is the run's newest checkpoint (not -1); a new run_name starts fresh."
+    old_run(tmp_path, "r", train_split="train[:256]")
+    line = one_line_error(cli("sft", f"base_output_directory={tmp_path}", "run_name=r", "train_split=train[:128]"))
+    assert "checkpoints up to step 500" in line and "-1" not in line, line
+    assert "this key differs" in line and "train_split: 'train[:256]' -> 'train[:128]'" in line, line
+    assert "pass a new run_name (e.g. run_name=r-2): a new run_name starts fresh" in line, line
+
+
+def tiny_hf_dir(tmp_path, name="hf"):
+    import torch, transformers
+    from maxpost.tasks import build_tokenizer
+    hf_cfg = transformers.Qwen3Config(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      tie_word_embeddings=True, max_position_embeddings=256)
+    torch.manual_seed(0)
+    d = tmp_path / name
+    transformers.Qwen3ForCausalLM(hf_cfg).save_pretrained(d)
+    build_tokenizer(d)
+    return d
+
+
+def test_unsupported_or_truncated_weights_are_one_line_exit_2(tmp_path):
+    """issue 31, item 2: an architecture maxpost does not implement (Mixtral's config.json) and a model.safetensors
+    cut short are input errors of load_parameters_path, through sft and rl."""
+    hf = tiny_hf_dir(tmp_path)
+    mixtral = tmp_path / "mixtral"
+    mixtral.mkdir()
+    (mixtral / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}))
+    (mixtral / "model.safetensors").write_bytes((hf / "model.safetensors").read_bytes())
+    for command in ("sft", "rl"):
+        line = one_line_error(cli(command, f"base_output_directory={tmp_path}", f"load_parameters_path={mixtral}",
+                                  f"tokenizer_path={hf}"))
+        assert f"load_parameters_path='{mixtral}': unsupported architecture ['MixtralForCausalLM']" in line, line
+    w = hf / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    line = one_line_error(cli("sft", f"base_output_directory={tmp_path}", f"load_parameters_path={hf}"))
+    assert f"load_parameters_path='{hf}'" in line and "it may be truncated" in line, line
+
+
+def test_a_truncated_adapter_is_one_line_exit_2(tmp_path):
+    "issue 31, item 2: a peft adapter whose safetensors stops half-way, through load_adapter_path."
+    from maxpost.model import create_model, get_model_config
+    from maxpost.lora import add_lora, save_adapter
+    d = save_adapter(add_lora(create_model(get_model_config("tiny")), rank=4, alpha=32.0), tmp_path / "adapter", "tiny")
+    f = d / "adapter_model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    line = one_line_error(cli("sft", f"base_output_directory={tmp_path}", "lora_rank=4", f"load_adapter_path={d}"))
+    assert f"load_adapter_path='{d}'" in line and "it may be truncated" in line, line
+
+
+@pytest.mark.parametrize("text,override,says", [
+    ("global_batch_size: [4\n", None,
+     "is not valid YAML: did not find expected ',' or ']' at line 2, column 1, while parsing a flow sequence opened at "
+     "line 1, column 20"),
+    (None, "model_overrides={d_model: 64", "the value is not valid YAML: did not find expected ',' or '}' at column 13"),
+    (None, "model_overrides=[1,2]", "model_overrides=[1, 2] (from the overrides) is not a valid dict[str, Any]"),
+])
+def test_malformed_yaml_is_one_line_exit_2_with_its_place(tmp_path, text, override, says):
+    "issue 32, item 3: a YAML base or an override that does not parse, or has the wrong shape."
+    args = [f"base_output_directory={tmp_path}"]
+    if text is not None:
+        (tmp_path / "bad.yml").write_text(text)
+        args.insert(0, tmp_path / "bad.yml")
+    else: args.append(override)
+    for command in ("sft", "config"):
+        line = one_line_error(cli(command, *(["sft"] if command == "config" else []), *args))
+        assert says in line, line
+
+
+def test_a_run_logs_plain_lines_to_a_file_and_leaves_no_lock(tmp_path):
+    """issue 31, items 6 and 8: with stderr a pipe, one plain line per logged step (no bar with carriage returns), the
+    memory line on its own line, no "Generating train split" from datasets and no "PyTorch was not found" from
+    transformers (torch made unimportable); a clean exit removes the run's .lock."""
+    rows = [{"question": f"{a} + {b}", "answer": str(a + b)} for a in range(12) for b in range(12)]
+    data = tmp_path / "add.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = tmp_path / "tok"
+    from maxpost.tasks import build_tokenizer
+    build_tokenizer(tok)
+    env = dict(ENV, HF_DATASETS_CACHE=str(tmp_path / "hf-datasets"), USE_TORCH="0")   # datasets: no torch either
+    r = cli("sft", f"base_output_directory={tmp_path}", "run_name=plain", f"dataset_name={data}",
+            f"tokenizer_path={tok}", "eval_split=train[:8]", "eval_on_train=true", "train_split=train",
+            "steps=4", "log_period=2", "global_batch_size=4", "max_target_length=32", "eval_batches=1",
+            "eval_interval=0", "checkpoint_period=4", "warmup_steps=0", env=env, block_torch=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    err = r.stderr
+    assert "\r" not in err and "%|" not in err, err[-2000:]
+    steps = [l for l in err.splitlines() if l.startswith("sft plain: step ")]
+    assert [l.split()[3] for l in steps] == ["2/4", "4/4", "4/4"], err[-2000:]   # two train lines, the final eval
+    assert all(" loss=" in l for l in steps[:2]), steps
+    assert any(l.startswith("memory: ") for l in err.splitlines()), err[-2000:]
+    assert "Generating train split" not in err and "PyTorch was not found" not in err, err[-2000:]
+    assert not (tmp_path / "plain" / ".lock").exists()
+
+
+def test_config_shows_the_values_an_rl_run_uses():
+    "issue 31, item 9: epsilons and loss_agg_mode resolved from loss_algo, in `maxpost config` and so in config.yml."
+    from maxpost.rl import loss_options
+    import dataclasses
+    r = cli("config", "rl", "loss_algo=gspo")
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [l.split("  # ")[0] for l in r.stdout.splitlines()]   # without the help comments
+    assert {"epsilon_low: 0.0003", "epsilon_high: 0.0004", "loss_agg_mode: sequence-mean-token-mean"} <= set(lines)
+    # what the config says is what rl.py would use for the same config with the values left to the algorithm
+    for algo in ("grpo", "gspo", "gspo-token"):
+        cfg = load_config("rl", [f"loss_algo={algo}"])
+        unresolved = dataclasses.replace(cfg, epsilon_low=None, epsilon_high=None, loss_agg_mode=None)
+        assert loss_options(cfg) == loss_options(unresolved), algo
+        assert load_config("rl", [f"loss_algo={algo}", "epsilon_high=0.9"]).epsilon_high == 0.9   # a set value stays
+
+
+def test_each_command_lists_its_keys_with_type_default_and_help():
+    """issue 31, items 10 and 11: `maxpost sft --help` (rl, eval, config) lists every key of the command's config class
+    with its type, default and one line; `maxpost config` says the same as comments; `maxpost --help` reads 128+N."""
+    from dataclasses import fields
+    from maxpost.config import CONFIG_CLASSES
+    for command, cls in CONFIG_CLASSES.items():
+        for args in ([command, "--help"], *([["config", command, "-h"]] if command == "rl" else [])):
+            r = cli(*args)
+            assert r.returncode == 0, r.stderr[-2000:]
+            lines = {l.split(" (", 1)[0].strip(): l for l in r.stdout.splitlines() if l.startswith("  ")}
+            for f in fields(cls):
+                line = lines[f.name]
+                assert line.split("): ", 1)[1].strip(), line          # a help text
+                assert (f"default {f.default}" if isinstance(f.default, int) and not isinstance(f.default, bool)
+                        else "(") in line, line
+        assert f"  steps (int, default 100, resumable): optimizer steps of the run" in cli("sft", "--help").stdout
+    r = cli("config", "rl", "loss_algo=gspo")
+    top = [l for l in r.stdout.splitlines() if l and not l.startswith((" ", "-"))]
+    assert top and all("  # " in l for l in top), [l for l in top if "  # " not in l]
+    r = cli("--help")
+    assert "128+N stopped by signal N" in r.stdout and "128 128" not in r.stdout, r.stdout
+
+
+def test_mismatched_config_and_unknown_chat_role_are_refused(tmp_path):
+    """issue 32, item 5: config.json whose model_type (mixtral) contradicts its architectures (Qwen3ForCausalLM), and
+    SFT data with a role chat templates do not know (ShareGPT's human/gpt), are refused in one line naming them."""
+    hf = tiny_hf_dir(tmp_path)
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, "model_type": "mixtral"}))
+    line = one_line_error(cli("sft", f"base_output_directory={tmp_path}", f"load_parameters_path={hf}", "steps=2"))
+    assert "architectures ['Qwen3ForCausalLM'] but model_type 'mixtral'" in line, line
+    from maxpost.tasks import build_tokenizer
+    build_tokenizer(tmp_path / "tok")
+    rows = [[{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}],
+            [{"role": "human", "content": "2+2?"}, {"role": "gpt", "content": "4"}]]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    line = one_line_error(cli("sft", f"base_output_directory={tmp_path}", f"dataset_name={tmp_path / 'chat.jsonl'}",
+                              f"tokenizer_path={tmp_path / 'tok'}", "train_split=train", "eval_split=train",
+                              "eval_on_train=true", "steps=2"))
+    assert "example 1 (messages format): messages has a message with role 'human'" in line, line
+
+
+def test_convert_keeps_a_maxtext_tokenizer_and_clears_what_a_killed_convert_left(tmp_path):
+    """issue 31, item 5 and issue 32, item 5: `maxpost convert <maxtext> DST --to hf` keeps the tokenizer the MaxText
+    directory holds (and --help no longer says it has none); `.DST.convert-PID` left by a killed convert is removed."""
+    hf = tiny_hf_dir(tmp_path)
+    r = cli("convert", hf, tmp_path / "mt", "--to", "maxtext")
+    assert r.returncode == 0 and (tmp_path / "mt" / "tokenizer" / "tokenizer.json").exists(), r.stderr[-2000:]
+    stale = tmp_path / ".back.convert-4194999"          # a PID above Linux's pid_max: its process is gone
+    stale.mkdir()
+    r = cli("convert", tmp_path / "mt", tmp_path / "back", "--to", "hf", "--model-name", "qwen3")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "back" / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
+    assert not stale.exists() and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    assert "MaxText SRC has none" not in cli("convert", "--help").stdout
