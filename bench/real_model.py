@@ -9,7 +9,8 @@ step (which compiles). The record, with the reward curves and the base and train
 held-out prompts, goes to `bench/results/real_model.json` (`--quick`: `real_model_quick.json`).
 
 A stage whose results exist is not run again (its recorded time and RSS are read back), so a seed can be run in
-pieces: `--stages full`, later `--stages lora`.
+pieces: `--stages full`, later `--stages lora`. A stage that was stopped runs again (maxpost resumes from the run's
+last checkpoint); its recorded wall time and peak RSS are then those of the last piece only.
 
     .venv/bin/python bench/real_model_setup.py            # the model directory, once
     .venv/bin/python bench/real_model.py --seeds 0        # ~35 min per stage on 2 shared cores
