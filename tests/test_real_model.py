@@ -313,3 +313,27 @@ def test_lora_adapter_gives_the_same_logits_in_peft(smol_dir, hf_tok, tmp_path):
     np.testing.assert_allclose(got[real], want[real], atol=ATOL, rtol=0)
     with adapted.disable_adapter(): plain = hf_logits(adapted, ids, mask, pos)
     assert np.abs(plain[real] - want[real]).max() > 1.0        # the adapters change the logits
+
+
+# ---- bench/real_model.py: what it measures and records ----
+
+_bspec = importlib.util.spec_from_file_location("real_model_bench", ROOT / "bench" / "real_model.py")
+real_model_bench = importlib.util.module_from_spec(_bspec)
+_bspec.loader.exec_module(real_model_bench)
+
+
+@pytest.mark.skipif(not Path("/usr/bin/time").exists(), reason="GNU time is not installed")
+def test_bench_reads_peak_rss_and_wall_time_of_gnu_time(tmp_path):
+    """The bench's peak RSS and wall time are GNU time's, read back right: a child that holds 400 MB of touched memory
+    for 1.5 s reports between 0.4 and 0.9 GB (interpreter included) and at least 1.5 s (a parse that took the wrong
+    line, kB as bytes or m:ss as seconds lands far outside)."""
+    import subprocess, sys
+    out = tmp_path / "t.time"
+    subprocess.run(["/usr/bin/time", "-v", "-o", str(out), sys.executable, "-c",
+                    "import time; b = bytearray(400_000_000); time.sleep(1.5)"], check=True)
+    t = real_model_bench.read_time(out)
+    assert 0.4 <= t["peak_rss_gb"] <= 0.9, t
+    assert 1.5 <= t["wall_s"] <= 30, t
+    hours = tmp_path / "h.time"      # GNU time writes h:mm:ss past an hour
+    hours.write_text(out.read_text().replace("(h:mm:ss or m:ss): 0:0", "(h:mm:ss or m:ss): 1:02:0"))
+    assert 3721.5 <= real_model_bench.read_time(hours)["wall_s"] <= 3750

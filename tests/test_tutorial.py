@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 from maxpost.train import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,3 +28,22 @@ def test_tutorial_quick_run_reward_rises(tmp_path):
         assert np.mean(rewards[-q:]) > np.mean(rewards[:q]), (algo, rewards)
         first, last = np.mean(lengths[:q]), np.mean(lengths[-q:])
         assert abs(last - first) > 0.2 * first, (algo, lengths)
+
+
+def test_real_model_tutorial_shows_the_records_replies_and_checks_their_verdicts(tmp_path):
+    """nbs/tutorials/real_model.ipynb trains nothing (seconds): it prints the replies of the bench record it is given,
+    and it stops when a recorded verdict disagrees with the book's answer checker."""
+    import papermill as pm
+    rec = json.loads((ROOT / "bench" / "results" / "real_model.json").read_text())
+    after = rec["seeds"]["0"]["full"]["after"]["completions"][0]
+    after |= {"completion": "Planted reply: the answer is " + after["answer"] + ".", "correct": True}
+    good = tmp_path / "good.json"; good.write_text(json.dumps(rec))
+    out = tmp_path / "out.ipynb"
+    pm.execute_notebook(str(ROOT / "nbs" / "tutorials" / "real_model.ipynb"), str(out), cwd=str(tmp_path),
+                        kernel_name="python3", parameters=dict(record=str(good)), progress_bar=False)
+    assert "Planted reply: the answer is" in out.read_text()
+    after["correct"] = False                      # the checker says right, the record says wrong
+    bad = tmp_path / "bad.json"; bad.write_text(json.dumps(rec))
+    with pytest.raises(pm.PapermillExecutionError):
+        pm.execute_notebook(str(ROOT / "nbs" / "tutorials" / "real_model.ipynb"), str(out), cwd=str(tmp_path),
+                            kernel_name="python3", parameters=dict(record=str(bad)), progress_bar=False)
