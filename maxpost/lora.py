@@ -17,8 +17,8 @@ from .config import LORA_TARGETS, ALL_LINEAR, parse_target_modules   # the names
 
 # %% auto 0
 __all__ = ['lora_scale', 'add_lora', 'split_adapters', 'adapters_off', 'base_fingerprint', 'merged_weight', 'has_lora',
-           'merged_state_dict', 'save_merged_hf', 'merge_lora', 'adapter_config', 'save_adapter', 'read_adapter_config',
-           'load_adapter', 'num_adapter_params']
+           'merged_state_dict', 'save_merged_hf', 'merge_lora', 'adapter_config', 'adapter_readme', 'save_adapter',
+           'read_adapter_config', 'load_adapter', 'num_adapter_params']
 
 # %% ../nbs/03c_lora.ipynb
 _BLOCK = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "attn",
@@ -125,8 +125,26 @@ def adapter_config(model: Decoder, base_model_name_or_path: str = "") -> dict:
                 modules_to_save=None, layers_to_transform=None, rank_pattern={}, alpha_pattern={})
 
 # %% ../nbs/03c_lora.ipynb
-def save_adapter(model: Decoder, path, base_model_name_or_path: str = "") -> Path:
-    "Write the adapters of `model` as a peft adapter directory (`adapter_config.json` + `adapter_model.safetensors`)."
+def adapter_readme(cfg: dict, base_model_name_or_path: str = "", source: str = "") -> str:
+    "The README of an adapter directory: what it is and how to load it with peft (or, without a loadable base, how to make one from `source`)."
+    head = (f"# LoRA adapter written by maxpost\n\nrank {cfg['r']}, lora_alpha {cfg['lora_alpha']:g}, target modules "
+            f"{', '.join(cfg['target_modules'])}.\n\n")
+    if base_model_name_or_path:
+        return head + (f"Its base is `{base_model_name_or_path}`. Load it with peft:\n\n"
+                       "    from transformers import AutoModelForCausalLM\n    from peft import PeftModel\n"
+                       f"    base = AutoModelForCausalLM.from_pretrained({base_model_name_or_path!r})\n"
+                       "    model = PeftModel.from_pretrained(base, \"path/to/this/directory\")\n\n"
+                       "(or `AutoPeftModelForCausalLM.from_pretrained(\"path/to/this/directory\")`, which reads the base "
+                       "from adapter_config.json). On another machine, put the base there first, or edit "
+                       "`base_model_name_or_path` in adapter_config.json.\n")
+    return head + ("Its base" + (f", `{source}`," if source else "") + " is not a Hugging Face checkpoint, so "
+                   "adapter_config.json names none. Export it first:\n\n"
+                   f"    maxpost convert {source or '<the base>'} base-hf --to hf\n\n"
+                   "then `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(\"base-hf\"), "
+                   "\"path/to/this/directory\")`, or set `base_model_name_or_path` in adapter_config.json to it.\n")
+
+def save_adapter(model: Decoder, path, base_model_name_or_path: str = "", source: str = "") -> Path:
+    "Write the adapters of `model` as a peft adapter directory (`adapter_config.json` + `adapter_model.safetensors` + a README saying how to load it on its base; `source`: where the base came from, when it is not loadable by transformers)."
     path, ads = Path(path), _adapters(model)
     cfg = adapter_config(model, base_model_name_or_path)
     tensors = {}
@@ -137,6 +155,7 @@ def save_adapter(model: Decoder, path, base_model_name_or_path: str = "") -> Pat
     if jax.process_index() == 0:
         path.mkdir(parents=True, exist_ok=True)
         (path / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+        (path / "README.md").write_text(adapter_readme(cfg, base_model_name_or_path, source))
         save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
     return path
 

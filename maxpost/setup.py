@@ -19,10 +19,10 @@ from .checkpoint import checkpoint_manager, save_limit_gb, save_state, restore_s
 # %% auto 0
 __all__ = ['INPUT_KEYS', 'make_run_mesh', 'model_options', 'set_model_options', 'model_config_for', 'is_hf_dir',
            'find_run_checkpoint', 'read_model_config', 'load_policy', 'lora_options', 'attach_adapters',
-           'check_lora_base', 'effective_config', 'lora_run_config', 'load_lora_run', 'embedded_task_dir',
-           'embedded_split', 'eval_source', 'check_held_out', 'tokenizer_dir', 'check_vocab', 'missing_inputs',
-           'check_inputs', 'Setup', 'setup_run', 'RunLocked', 'RunLock', 'as_scalar', 'read_metrics', 'MetricsLogger',
-           'split_base', 'run_command']
+           'check_lora_base', 'adapter_base', 'effective_config', 'lora_run_config', 'load_lora_run',
+           'embedded_task_dir', 'embedded_split', 'eval_source', 'check_held_out', 'tokenizer_dir', 'check_vocab',
+           'missing_inputs', 'check_inputs', 'Setup', 'setup_run', 'RunLocked', 'RunLock', 'as_scalar', 'read_metrics',
+           'MetricsLogger', 'split_base', 'run_command']
 
 # %% ../nbs/07b_setup.ipynb
 def make_run_mesh(cfg: RunConfig) -> jax.sharding.Mesh:
@@ -134,6 +134,19 @@ def check_lora_base(saved: dict | None, current: dict, where) -> None:
                           f"load_parameters_path={current['load_parameters_path'] or current['model_name']!r} holds "
                           "now (its weights changed since the run started); restore that base, or start a new "
                           "run_name to train adapters on this one")
+
+# %% ../nbs/07b_setup.ipynb
+def adapter_base(cfg: RunConfig) -> str:
+    "The `base_model_name_or_path` for a run's peft adapter that transformers can load elsewhere: the Hugging Face directory given (its hub name when it is a hub cache snapshot, else its absolute path), or the `hf/` export of the maxpost run given; \"\" when there is none (a MaxText checkpoint, a random init, one step of a run, a run without an export)."
+    if not cfg.load_parameters_path: return ""
+    path = Path(os.path.abspath(os.path.expanduser(cfg.load_parameters_path)))   # absolute, without ..
+    if is_hf_dir(path):
+        hub = [q for q in path.parts if q.startswith("models--")]   # ~/.cache/huggingface/hub/models--org--name/...
+        return hub[-1][len("models--"):].replace("--", "/", 1) if hub else str(path)
+    try: run, step = find_run_checkpoint(path)
+    except FileNotFoundError: return ""
+    return str(run / "hf") if step is None and is_hf_dir(run / "hf") else ""   # a run's export is of its last step
+
 
 # %% ../nbs/07b_setup.ipynb
 def effective_config(directory) -> dict:

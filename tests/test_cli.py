@@ -222,3 +222,32 @@ def test_convert_keeps_a_maxtext_tokenizer_and_clears_what_a_killed_convert_left
     assert (tmp_path / "back" / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
     assert not stale.exists() and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
     assert "MaxText SRC has none" not in cli("convert", "--help").stdout
+
+
+def test_an_adapter_names_a_base_peft_loads_from_anywhere(tmp_path):
+    """issue 31, item 5: `adapter_base(cfg)` is the base a run's adapter should name: the Hugging Face directory given
+    as an absolute path (it was the relative path of a run directory before), so that peft loads base + adapter from
+    another working directory, with maxpost's logits; the README says how."""
+    import numpy as np, jax, jax.numpy as jnp, torch
+    from flax import nnx
+    from maxpost.checkpoint import load_hf
+    from maxpost.lora import add_lora, save_adapter
+    from maxpost.setup import adapter_base
+    hf = tiny_hf_dir(tmp_path)
+    cfg = load_config("sft", [f"load_parameters_path={os.path.relpath(hf)}", "lora_rank=4"])
+    model = add_lora(load_hf(hf), rank=4, alpha=8.0, seed=1)
+    for v in jax.tree.leaves(nnx.state(model, nnx.LoRAParam), is_leaf=lambda v: isinstance(v, nnx.Variable)):
+        v.set_value(v.get_value() + 0.05)
+    base = adapter_base(cfg)
+    d = save_adapter(model, tmp_path / "run" / "adapter", base, source=cfg.load_parameters_path)
+    assert f"from_pretrained({str(hf)!r})" in (d / "README.md").read_text()
+    script = ("import sys, json, torch\nfrom peft import AutoPeftModelForCausalLM\n"
+              "m = AutoPeftModelForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
+              "print(json.dumps(m(torch.arange(6)[None]).logits[0].tolist()))")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = subprocess.run([sys.executable, "-c", script, str(d)], capture_output=True, text=True, cwd=elsewhere,
+                       timeout=600, env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    np.testing.assert_allclose(np.array(json.loads(r.stdout)), np.asarray(model(jnp.arange(6)[None]))[0],
+                               rtol=1e-4, atol=1e-4)

@@ -328,6 +328,7 @@ def test_eval_writes_into_its_own_directory_never_a_training_run(tmp_path):
     assert eval_dir(load_config("eval", base)) == tmp_path / "eval-embedded-sft"
     assert eval_dir(load_config("eval", [*base[:1], f"load_parameters_path={tmp_path}/r/checkpoints/30"])) == tmp_path / "eval-r@30"
     (tmp_path / "embedded-grpo" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "embedded-sft").mkdir()   # (a load_parameters_path that does not exist would be named first)
     with pytest.raises(ConfigError, match="training run's directory"):
         eval_dir(load_config("eval", [*base, "run_name=embedded-grpo"]))
     r = subprocess.run([sys.executable, "-m", "maxpost.cli", "eval", *base, "run_name=embedded-grpo"],
