@@ -18,12 +18,13 @@ from .sft_loss import LOGITS_CHUNK_SIZE
 from .preference_loss import preference_loss, sequence_logps, REFERENCE_FREE
 from .setup import embedded_task_dir, eval_source, check_held_out
 from .evaluate import load_eval_examples, evaluate, eval_options
-from .train import Trainer, all_finite, train_command, flops_per_token
+from .train import Trainer, train_command, flops_per_token
+from .step import make_update_step, ReferencePolicy
 from .rl import PromptIterator, split_groups, merge_groups
 
 # %% auto 0
 __all__ = ['extract_prompt', 'encode_pair', 'preference_batch', 'embedded_pair', 'write_embedded_pairs', 'embedded_pairs',
-           'load_pairs', 'PairData', 'preference_options', 'pair_logps', 'make_dpo_loss', 'make_dpo_step',
+           'load_pairs', 'PairData', 'preference_options', 'pair_logps', 'dpo_loss', 'make_dpo_loss', 'make_dpo_step',
            'make_dpo_eval_step', 'make_reference_fn', 'DPOTrainer', 'train_dpo', 'main']
 
 # %% ../nbs/15b_dpo.ipynb
@@ -182,33 +183,25 @@ def pair_logps(model, batch: dict, chunk_size: int | None = LOGITS_CHUNK_SIZE) -
     return sequence_logps(logps, batch["completion_mask"])
 
 # %% ../nbs/15b_dpo.ipynb
+def dpo_loss(model, b: dict, loss_kwargs: dict, weight: float = 1.0, chunk_size: int | None = LOGITS_CHUNK_SIZE):
+    "(weight * loss, weighted metrics): `preference_loss` of a micro-batch of whole pairs, against its `ref_logps` [2N] when the loss needs a reference."
+    sums, lengths = pair_logps(model, b, chunk_size)
+    ref = b.get("ref_logps")
+    loss, metrics = preference_loss(sums[0::2], sums[1::2], lengths[0::2], lengths[1::2],
+                                    None if ref is None else ref[0::2], None if ref is None else ref[1::2], **loss_kwargs)
+    return weight * loss, {k: weight * v for k, v in {**metrics, "loss": loss}.items()}
+
 def make_dpo_loss(graphdef, loss_kwargs: dict, chunk_size: int | None = LOGITS_CHUNK_SIZE):
-    "`loss_fn(params, rest, batch, weight) -> (weight * loss, weighted metrics)`: `preference_loss` of whole pairs, against the batch's `ref_logps` [2N] when the loss needs a reference."
-    def loss_fn(params, rest, b, weight=1.0):
-        sums, lengths = pair_logps(nnx.merge(graphdef, params, rest), b, chunk_size)
-        ref = b.get("ref_logps")
-        loss, metrics = preference_loss(sums[0::2], sums[1::2], lengths[0::2], lengths[1::2],
-                                        None if ref is None else ref[0::2], None if ref is None else ref[1::2],
-                                        **loss_kwargs)
-        return weight * loss, {k: weight * v for k, v in {**metrics, "loss": loss}.items()}
-    return loss_fn
+    "`loss_fn(params, rest, batch, weight=1) -> (weight * loss, weighted metrics)`: `dpo_loss` of the weights `params`."
+    return lambda params, rest, b, weight=1.0: dpo_loss(nnx.merge(graphdef, params, rest), b, loss_kwargs, weight, chunk_size)
 
 # %% ../nbs/15b_dpo.ipynb
 def make_dpo_step(graphdef, tx: optax.GradientTransformation, loss_kwargs: dict, accum: int = 1,
                   chunk_size: int | None = LOGITS_CHUNK_SIZE):
-    "Jitted `step(params, rest, opt_state, batch) -> (params, opt_state, metrics)` on `preference_loss`, summing `accum` micro-batches of whole pairs; params and opt_state are donated."
-    grad_fn = jax.value_and_grad(make_dpo_loss(graphdef, loss_kwargs, chunk_size), has_aux=True)
-
-    def step(params, rest, opt_state, b):
-        def body(grads, m):               # every micro-batch holds the same number of pairs: each is 1/accum of the mean
-            (_, metrics), g = grad_fn(params, rest, m, 1.0 / accum)
-            return jax.tree.map(jnp.add, grads, g), metrics
-        grads, ms = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), split_groups(b, accum, 2))
-        metrics = jax.tree.map(lambda x: x.sum(0), ms)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return params, opt_state, {**metrics, "grad_norm": optax.global_norm(grads), "params_finite": all_finite(params)}
-    return jax.jit(step, donate_argnums=(0, 2))
+    "Jitted `step(params, rest, opt_state, batch) -> (params, opt_state, metrics)` on `preference_loss`: chapter 08b's `make_update_step` over `accum` micro-batches of whole pairs; params and opt_state are donated."
+    def micro_loss(model, m, totals):      # every micro-batch holds the same number of pairs: each is 1/accum of the mean
+        return dpo_loss(model, m, loss_kwargs, 1.0 / accum, chunk_size)
+    return make_update_step(graphdef, tx, micro_loss, accum=accum, split=lambda b, a: split_groups(b, a, 2))
 
 def make_dpo_eval_step(graphdef, loss_kwargs: dict, chunk_size: int | None = LOGITS_CHUNK_SIZE):
     "Jitted `(params, rest, batch) -> metrics`: the preference loss and TRL's metrics of a batch, no update."
@@ -246,15 +239,20 @@ class DPOTrainer(Trainer):
         self.eval_examples = load_eval_examples(cfg) if not eval_source(cfg) and cfg.eval_num_prompts else []
         self.build_steps()
         self.flops_per_token = flops_per_token(self.model_cfg, sum(lengths))
-        self.ref_params, self.ref_table = None, None       # π_ref: weights, or log-probs computed once
+        self.reference, self.ref_table = None, None       # π_ref: a ReferencePolicy, or its log-probs computed once
         if cfg.loss_type not in REFERENCE_FREE:
-            # a copy of the initial weights; with LoRA, zero adapters: the frozen base (adapters off), no copy
-            ref = jax.tree.map(jnp.copy if self.lora_base is None else jnp.zeros_like, self.params)
+            # a copy of the initial weights; with LoRA the adapters off: the frozen base, no copy (chapter 08b)
+            ref = ReferencePolicy(self.params, self.rest, lambda *a: self.run_step("ref_fn", *a),
+                                  lora=self.lora_base is not None)
             if cfg.precompute_ref_log_probs:
-                everything = list(range(len(self.train_data)))
-                self.ref_table = {"train": self._reference_table(ref, self.train_data, everything),
+                self.ref_table = {"train": self._reference_table(ref, self.train_data, list(range(len(self.train_data)))),
                                   "eval": self._reference_table(ref, self.eval_data, list(range(n_eval)))}
-            else: self.ref_params = ref
+            else: self.reference = ref
+
+    @property
+    def ref_params(self):
+        "The reference's own weights (None when it keeps none: a reference-free loss, or precomputed log-probs)."
+        return None if self.reference is None else self.reference.params
 
     def build_steps(self) -> None:
         cfg, opts, chunk = self.cfg, preference_options(self.cfg), self.cfg.logits_chunk_size
@@ -264,7 +262,7 @@ class DPOTrainer(Trainer):
                                     "the reference log-prob pass")
         self.eval_fn = make_dpo_eval_step(self.graphdef, opts, chunk_size=chunk)
 
-    def _reference_table(self, ref_params, data: PairData, indices: list[int]) -> np.ndarray:
+    def _reference_table(self, ref: ReferencePolicy, data: PairData, indices: list[int]) -> np.ndarray:
         "[len(data), 2] reference log-probs (chosen, rejected) of the pairs at `indices`, a batch at a time."
         B, table = self.cfg.global_batch_size, np.zeros((len(data), 2), np.float32)
         with jax.set_mesh(self.mesh):
@@ -272,7 +270,7 @@ class DPOTrainer(Trainer):
                 idx = indices[i:i + B]
                 b = data.batch(idx + idx[-1:] * (B - len(idx)))     # one compiled shape: the last batch is padded
                 b.pop("truncated")
-                out = np.asarray(self.run_step("ref_fn", ref_params, self.rest, sharding.shard_batch(b, self.mesh)))
+                out = np.asarray(ref.logps(sharding.shard_batch(b, self.mesh)))
                 table[idx] = out.reshape(-1, 2)[:len(idx)]
         return table
 
@@ -280,10 +278,9 @@ class DPOTrainer(Trainer):
         "The arrays of the pairs at `indices` with the reference's log-probs `ref_logps` [2N] (numpy); `truncated` counts cut pairs."
         b = data.batch(indices)
         if self.ref_table is not None: b["ref_logps"] = self.ref_table[split][np.asarray(indices)].reshape(-1)
-        elif self.ref_params is not None:
+        elif self.reference is not None:
             arrays = sharding.shard_batch({k: v for k, v in b.items() if k != "truncated"}, self.mesh)
-            with jax.set_mesh(self.mesh):
-                b["ref_logps"] = np.asarray(self.run_step("ref_fn", self.ref_params, self.rest, arrays))
+            with jax.set_mesh(self.mesh): b["ref_logps"] = np.asarray(self.reference.logps(arrays))
         return b
 
     def update(self, b: dict) -> dict:

@@ -246,3 +246,21 @@ def test_cli_config_typo_exits_2(tmp_path):
     r = subprocess.run(_cli("dpo", tmp_path, "loss_type=dpo"), capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "loss_type='dpo'" in r.stderr and "sigmoid" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "embedded-sigmoid").exists()
+
+
+def test_papermill_dpo_run_and_a_misspelt_parameter(tmp_path):
+    """nbs/runs/dpo.ipynb runs a few steps from its parameters and records TRL's metrics; `-p bta 0.2` stops it
+    before training with the configuration's error naming the key it resembles."""
+    import papermill as pm
+    nb, runs = str(ROOT / "nbs" / "runs" / "dpo.ipynb"), tmp_path / "runs"
+    with pytest.raises(pm.PapermillExecutionError) as e:
+        pm.execute_notebook(nb, str(tmp_path / "bad.ipynb"), parameters={"bta": 0.2, "base_output_directory": str(runs)},
+                            cwd=str(tmp_path), kernel_name="python3", progress_bar=False)
+    assert e.value.ename == "ConfigError" and "unknown key 'bta'" in e.value.evalue and "'beta'" in e.value.evalue
+    assert not runs.exists()
+    pm.execute_notebook(nb, str(tmp_path / "out.ipynb"), cwd=str(tmp_path), kernel_name="python3", progress_bar=False,
+                        parameters=dict(base_output_directory=str(runs), run_name="pm", steps=2, load_parameters_path="",
+                                        global_batch_size=4, eval_num_prompts=2, eval_batches=1,
+                                        overrides=["train_split=train[:32]", "eval_split=test[:8]"]))
+    recs = read_metrics(runs / "pm", "train")
+    assert [r["step"] for r in recs] == [1, 2] and "rewards/margins" in recs[-1]
