@@ -4,6 +4,7 @@
 
 # %% ../nbs/07c_weights.ipynb 4
 from __future__ import annotations
+import sys
 from pathlib import Path
 
 import jax, jax.numpy as jnp
@@ -12,7 +13,7 @@ from flax import nnx
 from .config import TrainConfig
 from .checkpoint import save_hf
 from .lora import adapters_off, save_merged_hf, save_adapter
-from .setup import lora_options, attach_adapters, check_lora_base
+from .setup import lora_options, attach_adapters, check_lora_base, adapter_base
 
 # %% auto 0
 __all__ = ['TrainableWeights', 'FullWeights', 'LoRAWeights', 'trainable_weights']
@@ -46,9 +47,12 @@ class TrainableWeights:
         d = Path(directory)
         if cfg.save_hf:
             self.save_hf(model, d / "hf"); tokenizer.save_pretrained(d / "hf")
-        if cfg.save_adapter:
-            save_adapter(model, d / "adapter", cfg.load_parameters_path or cfg.model_name)
+            print(f"wrote the Hugging Face model to {d / 'hf'}", file=sys.stderr)
+        if cfg.save_adapter:   # named by a base that transformers can load elsewhere (see its README.md)
+            base = adapter_base(cfg)
+            save_adapter(model, d / "adapter", base, source=cfg.load_parameters_path or cfg.model_name)
             tokenizer.save_pretrained(d / "adapter")
+            print(f"wrote the peft adapter to {d / 'adapter'} (base: {base or 'see its README.md'})", file=sys.stderr)
 
 class FullWeights(TrainableWeights):
     "Every `nnx.Param` trains."

@@ -1,7 +1,7 @@
 """LoRA: peft round trips both ways on a tiny random transformers model, the base untouched by training, the
 factors' gradients against a naive merged-weight implementation, an adapter-sized optimizer state, the RL
 reference as the base without a copy, kill-and-resume bit-exact through the CLI, and the errors a user meets."""
-import os, signal, subprocess, sys, time
+import json, os, signal, subprocess, sys, time
 from pathlib import Path
 
 import jax, jax.numpy as jnp, numpy as np, pytest
@@ -64,6 +64,21 @@ def test_maxpost_adapter_loads_in_peft_with_the_same_logits(trained):
     assert np.abs(ours - before).max() > 1e-3          # the adapters did learn something: the check is not vacuous
     merged = transformers.AutoModelForCausalLM.from_pretrained(run_dir(cfg) / "hf").float().eval()
     np.testing.assert_allclose(_torch_logits(merged, TOKENS), ours, atol=1e-4)   # save_hf wrote the merged model
+
+
+def test_the_runs_adapter_names_its_base_by_a_path_that_loads_anywhere(trained, tmp_path, monkeypatch, capsys):
+    """issue 31, item 5: the adapter a run exports names the Hugging Face directory it started from by its absolute
+    path, even when the run was given a relative one (which does not load from another directory), says so in its
+    README, and the run says that it wrote it."""
+    import dataclasses
+    tr, cfg, base, _ = trained
+    monkeypatch.chdir(Path(base).parent)
+    relative = dataclasses.replace(cfg, load_parameters_path=os.path.relpath(base), save_hf=False)
+    tr.weights.export(tr.model, relative, tr.tokenizer, tmp_path)
+    named = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert named == os.path.abspath(base), named
+    assert os.path.abspath(base) in (tmp_path / "adapter" / "README.md").read_text()
+    assert f"wrote the peft adapter to {tmp_path / 'adapter'}" in capsys.readouterr().err
 
 
 def test_training_leaves_the_base_bit_identical_and_the_optimizer_adapter_sized(trained):
