@@ -26,7 +26,8 @@ from .weights import TrainableWeights, trainable_weights
 __all__ = ['LR_SCHEDULES', 'PEAK_BF16_FLOPS', 'REMAT_CHOICES', 'make_schedule', 'make_optimizer', 'on_mesh', 'init_opt_state',
            'all_finite', 'check_finite', 'config_changes', 'check_resume', 'precheck_run_dir', 'RunCheckpoints',
            'StopSignal', 'RunStopped', 'flops_per_token', 'device_peak_flops', 'StepCompiler', 'memory_needed',
-           'device_memory', 'MemoryShortfall', 'check_memory', 'Trainer', 'print_summary', 'train_command']
+           'device_memory', 'MemoryShortfall', 'check_memory', 'Trainer', 'held_out_table', 'print_summary',
+           'train_command']
 
 # %% ../nbs/08_train.ipynb
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -394,13 +395,25 @@ def _fit(tr: Trainer, progress: bool) -> dict:
     return {"step": tr.step, **{k: last[k] for k in tr.summary_keys if k in last}, **final}
 
 # %% ../nbs/08_train.ipynb
+def held_out_table(directory) -> str | None:
+    "The held-out generation metrics (pass@1, pass@k, maj@k, format rate) of a run's first and last evaluation side by side, or None when it has fewer than two."
+    evals = [r for r in read_metrics(directory, "eval") if "pass@1" in r]
+    if len(evals) < 2: return None
+    first, last = evals[0], evals[-1]
+    keys = [k for k in last if k in first and (k.startswith(("pass@", "maj@")) or k == "format_rate")]
+    n = last.get("num_prompts")
+    lines = [f"held-out{f' ({n} problems)' if n else ''}: step {first['step']} -> step {last['step']}"]
+    return "\n".join(lines + [f"  {k:<12} {100 * first[k]:5.1f} % -> {100 * last[k]:5.1f} %" for k in keys])
+
 def print_summary(out: dict, cfg: RunConfig) -> None:
-    "One line of final metrics and where the run wrote."
+    "One line of final metrics, the held-out table from the first evaluation to the last (RL starts with one), and where the run wrote."
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in out.items() if k != "kind"))
+    table = held_out_table(run_dir(cfg)) if jax.process_index() == 0 else None
+    if table: print(table)
     print(f"run directory: {run_dir(cfg)}")
 
 def train_command(kind: str, train, argv=None) -> int:
-    "`maxpost sft|rl`: the config from `argv`, `train(cfg)`, then the summary line; exit code 0."
+    "`maxpost sft|rl|dpo`: the config from `argv`, `train(cfg)`, then the summary; exit code 0."
     cfg, out = run_command(kind, train, argv)
     print_summary(out, cfg)
     return 0

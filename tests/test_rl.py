@@ -92,6 +92,11 @@ def test_cli_resume_after_kill_matches_uninterrupted(tmp_path):
     steps, extra = 10, ["checkpoint_period=2", "num_iterations=2"]
     r = subprocess.run(rl_cmd(tmp_path, "whole", steps, *extra), env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
+    # issue 31, item 7: the run ends with the held-out numbers of the starting checkpoint and of the trained policy
+    evals = read_metrics(tmp_path / "whole", "eval")
+    assert [e["step"] for e in (evals[0], evals[-1])] == [0, steps]
+    row = next(l.split() for l in r.stdout.splitlines() if l.split()[:1] == ["pass@1"])
+    assert [float(row[1]), float(row[4])] == [round(100 * evals[0]["pass@1"], 1), round(100 * evals[-1]["pass@1"], 1)], row
     p = subprocess.Popen(rl_cmd(tmp_path, "killed", steps, *extra), env=env, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
     ck = tmp_path / "killed" / "checkpoints"
