@@ -277,18 +277,19 @@ CONFIG_CLASSES = {"sft": SFTConfig, "rl": RLConfig, "eval": EvalConfig}   # the 
 @dataclass
 class DPOConfig(TrainConfig, GenerationConfig):
     "Preference optimisation from pairs of a chosen and a rejected reply: DPO (sigmoid), IPO, hinge, ORPO, SimPO."
-    loss_type: str = key("sigmoid", choices="maxpost.preference_loss:LOSS_TYPES")
-    beta: float = key(0.1, positive=True)  # the strength of the tie to the reference (SimPO: the reward scale)
-    label_smoothing: float = key(0.0, interval="[0, 0.5)")  # the share of labels taken to be flipped (sigmoid, simpo)
-    lambda_orpo: float = key(0.1, non_negative=True)  # ORPO: weight of the odds-ratio term beside the chosen NLL
-    simpo_gamma: float = key(0.5, non_negative=True)  # SimPO: the target reward margin
-    # compute the reference's log-probs of every pair once, before training, and keep no reference model
-    precompute_ref_log_probs: bool = False
-    # columns: chosen / rejected as strings or conversations; no prompt column = the prompt they share
-    prompt_column: str = "prompt"
-    chosen_column: str = "chosen"
-    rejected_column: str = "rejected"
-    eval_batches: int = key(4, positive=True, resumable=True)  # held-out batches of pairs for the preference loss
+    loss_type: str = key("sigmoid", choices="maxpost.preference_loss:LOSS_TYPES",
+        help="the preference loss: sigmoid (DPO), ipo, hinge, orpo or simpo (chapter 12b)")
+    beta: float = key(0.1, positive=True, help="the strength of the tie to the reference (SimPO: the reward scale)")
+    label_smoothing: float = key(0.0, interval="[0, 0.5)",
+        help="the share of preference labels taken to be flipped (sigmoid and simpo only)")
+    lambda_orpo: float = key(0.1, non_negative=True, help="ORPO: the weight of the odds-ratio term beside the chosen NLL")
+    simpo_gamma: float = key(0.5, non_negative=True, help="SimPO: the target reward margin")
+    precompute_ref_log_probs: bool = key(False,
+        help="compute the reference's log-probs of every pair once, before training, and keep no reference model")
+    prompt_column: str = key("prompt", help="the prompt column; without one, the prompt is what chosen and rejected share")
+    chosen_column: str = key("chosen", help="the preferred reply (a string or a conversation)")
+    rejected_column: str = key("rejected", help="the dispreferred reply (a string or a conversation)")
+    eval_batches: int = key(4, positive=True, resumable=True, help="held-out batches of pairs for the preference loss")
 
     def problems(self) -> list[str]:
         "`TrainConfig`'s problems, and keys that the chosen `loss_type` would ignore."
