@@ -243,7 +243,7 @@ class DPOTrainer(Trainer):
         if cfg.loss_type not in REFERENCE_FREE:
             # a copy of the initial weights; with LoRA the adapters off: the frozen base, no copy (chapter 08b)
             ref = ReferencePolicy(self.params, self.rest, lambda *a: self.run_step("ref_fn", *a),
-                                  lora=self.lora_base is not None)
+                                  weights=self.weights)
             if cfg.precompute_ref_log_probs:
                 self.ref_table = {"train": self._reference_table(ref, self.train_data, list(range(len(self.train_data)))),
                                   "eval": self._reference_table(ref, self.eval_data, list(range(n_eval)))}
