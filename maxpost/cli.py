@@ -8,16 +8,17 @@ import argparse, importlib, os, sys
 from typing import Optional, Sequence
 
 # %% auto 0
-__all__ = ['COMMANDS', 'EXIT_CODES', 'command_help', 'show_config', 'exit_code', 'quiet_libraries', 'main']
+__all__ = ['COMMANDS', 'EXIT_CODES', 'command_help', 'show_config', 'held_out_after_sft', 'sft_main', 'exit_code',
+           'quiet_libraries', 'main']
 
 # %% ../nbs/17_cli.ipynb
 COMMANDS = {
-    "sft": ("maxpost.sft:main", "supervised fine-tuning (base: configs/sft.yml; default: the embedded task)"),
+    "sft": ("maxpost.cli:sft_main", "supervised fine-tuning (base: configs/sft.yml; default: the embedded task)"),
     "rl": ("maxpost.rl:main", "GRPO / GSPO from an SFT or Hugging Face checkpoint (base: configs/rl.yml)"),
     "dpo": ("maxpost.dpo:main", "DPO / IPO / hinge / ORPO / SimPO from preference pairs (base: configs/dpo.yml)"),
     "eval": ("maxpost.evaluate:main", "pass@1, pass@k, maj@k and format rate of a checkpoint (base: configs/eval.yml)"),
     "convert": ("maxpost.convert:convert_main", "Hugging Face / maxpost / MaxText checkpoints, either way"),
-    "config": ("maxpost.cli:show_config", "print the resolved configuration of `sft`, `rl` or `eval` with overrides applied"),
+    "config": ("maxpost.cli:show_config", "print the resolved configuration of `sft`, `rl`, `dpo` or `eval` with overrides applied"),
 }
 
 # %% ../nbs/17_cli.ipynb
@@ -43,6 +44,36 @@ def show_config(argv: Sequence[str]) -> int:
     if any(a in _HELP_FLAGS for a in argv[1:]): print(command_help(argv[0]), end=""); return 0
     base, overrides = split_base(argv[1:])
     print(to_yaml(load_config(argv[0], overrides, base=base), comments=True), end="")
+    return 0
+
+# %% ../nbs/17_cli.ipynb
+def held_out_after_sft(cfg) -> dict | None:
+    "Greedy pass@1 and format rate of an SFT run's final policy on its first `eval_num_prompts` held-out problems, by `maxpost eval`'s code and defaults (the record lands in `eval-<run_name>` beside the run); None, with the reason on stderr, when `eval_num_prompts` is 0 or the held-out rows have no question and answer."
+    import dataclasses
+    from maxpost.config import ConfigError, QAConfig, load_config, run_dir
+    from maxpost.evaluate import load_eval_examples, run_evaluation
+    if not cfg.eval_num_prompts: return None
+    shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(QAConfig)      # model, mesh, data, columns
+              if f.name not in ("run_name", "load_parameters_path")}
+    ecfg = dataclasses.replace(load_config("eval"), **shared, load_parameters_path=str(run_dir(cfg)), run_name="",
+                               eval_num_prompts=cfg.eval_num_prompts, eval_k=0)
+    try: load_eval_examples(ecfg)
+    except ConfigError as e:
+        print(f"no held-out pass@1 after SFT ({e}); eval_num_prompts=0 skips this check", file=sys.stderr)
+        return None
+    return run_evaluation(ecfg)
+
+def sft_main(argv=None) -> int:
+    "`maxpost sft [base.yml] key=value ...`: train (`maxpost.sft`), then greedy pass@1 on held-out problems (`held_out_after_sft`), then the summary."
+    from maxpost.setup import run_command
+    from maxpost.sft import train_sft
+    from maxpost.train import print_summary
+    cfg, out = run_command("sft", train_sft, argv)
+    res = held_out_after_sft(cfg)
+    if res: out |= {"held_out_pass@1": res["pass@1"], "held_out_format_rate": res["format_rate"]}
+    print_summary(out, cfg)
+    if res: print(f"held-out ({res['num_prompts']} problems) after SFT: pass@1 {100 * res['pass@1']:.1f} %, "
+                  f"format rate {100 * res['format_rate']:.1f} %")
     return 0
 
 # %% ../nbs/17_cli.ipynb

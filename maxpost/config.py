@@ -197,6 +197,9 @@ class SFTConfig(TrainConfig, QAConfig):
     packing: bool = key(True, help="pack several examples into one row")
     z_loss: float = key(0.0, non_negative=True, help="weight of the z-loss (log of the softmax normaliser squared)")
     eval_batches: int = key(4, positive=True, resumable=True, help="held-out batches per evaluation")
+    eval_num_prompts: int = key(128, non_negative=True, resumable=True,
+        help="held-out problems for greedy pass@1 after the last step (`maxpost sft`, when the held-out rows have "
+             "question and answer columns); 0 = none")
 
 # %% ../nbs/00_config.ipynb
 @dataclass

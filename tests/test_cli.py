@@ -149,6 +149,40 @@ def test_a_run_logs_plain_lines_to_a_file_and_leaves_no_lock(tmp_path):
     assert any(l.startswith("memory: ") for l in err.splitlines()), err[-2000:]
     assert "Generating train split" not in err and "PyTorch was not found" not in err, err[-2000:]
     assert not (tmp_path / "plain" / ".lock").exists()
+    # issue 31, item 7: the data has answers, so SFT ends with greedy pass@1 of its final policy; a separate
+    # `maxpost eval` of the last checkpoint, named by its step, gives the same numbers
+    rec = json.loads((tmp_path / "eval-plain" / "eval.json").read_text())
+    assert Path(rec["load_parameters_path"]) == tmp_path / "plain" and rec["step"] == 4 and rec["metrics"]["num_prompts"] == 8
+    m = rec["metrics"]
+    assert r.stdout.splitlines()[-1] == (f"held-out (8 problems) after SFT: pass@1 {100 * m['pass@1']:.1f} %, "
+                                         f"format rate {100 * m['format_rate']:.1f} %"), r.stdout[-1000:]
+    e = cli("eval", f"base_output_directory={tmp_path}", "run_name=by-step", f"tokenizer_path={tok}",
+            f"load_parameters_path={tmp_path / 'plain' / 'checkpoints' / '4'}", f"dataset_name={data}",
+            "eval_split=train[:8]", "eval_k=0", env=env)
+    assert e.returncode == 0, e.stderr[-3000:]
+    again = json.loads((tmp_path / "by-step" / "eval.json").read_text())
+    assert again["step"] == 4 and again["metrics"] == m
+    assert [c["completion"] for c in again["completions"]] == [c["completion"] for c in rec["completions"]]
+
+
+def test_sft_on_chat_data_says_why_there_is_no_pass_at_1(tmp_path):
+    """issue 31, item 7: held-out rows without a question and an answer (chat messages) cannot be scored; the run
+    finishes (exit 0) and says so in one line, with the key that turns the check off."""
+    rows = [{"messages": [{"role": "user", "content": f"{a} + {b}"}, {"role": "assistant", "content": str(a + b)}]}
+            for a in range(8) for b in range(8)]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = tmp_path / "tok"
+    from maxpost.tasks import build_tokenizer
+    build_tokenizer(tok)
+    r = cli("sft", f"base_output_directory={tmp_path}", "run_name=chat", f"dataset_name={data}", f"tokenizer_path={tok}",
+            "eval_split=train[:8]", "eval_on_train=true", "steps=2", "global_batch_size=4", "max_target_length=32",
+            "eval_batches=1", "eval_interval=0", "checkpoint_period=2", "warmup_steps=0",
+            env=dict(ENV, HF_DATASETS_CACHE=str(tmp_path / "hf-datasets")))
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = [l for l in r.stderr.splitlines() if l.startswith("no held-out pass@1 after SFT")]
+    assert len(said) == 1 and "question" in said[0] and "eval_num_prompts=0" in said[0], r.stderr[-2000:]
+    assert "held_out_pass@1" not in r.stdout and not (tmp_path / "eval-chat").exists()
 
 
 def test_config_shows_the_values_an_rl_run_uses():
