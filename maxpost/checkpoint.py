@@ -4,7 +4,7 @@
 
 # %% ../nbs/03_checkpoint.ipynb 3
 from __future__ import annotations
-import argparse, dataclasses, json, os, shutil, sys, warnings
+import argparse, dataclasses, json, logging, os, shutil, sys, warnings
 from pathlib import Path
 from typing import NamedTuple
 import numpy as np
@@ -19,7 +19,7 @@ from .sharding import param_shardings, host_array, variable_at
 # %% auto 0
 __all__ = ['ARCHITECTURES', 'hf_config_to_model_config', 'model_config_to_hf_config', 'HFParam', 'hf_param_map', 'hf_to_param',
            'param_to_hf', 'hf_state_dict', 'save_hf', 'load_hf', 'CheckpointError', 'save_limit_gb',
-           'checkpoint_manager', 'prune_steps', 'save_state', 'restore_state']
+           'checkpoint_manager', 'prune_steps', 'state_bytes', 'check_free_space', 'save_state', 'restore_state']
 
 # %% ../nbs/03_checkpoint.ipynb
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3",
@@ -317,21 +317,60 @@ def _set_aside(mgr: ocp.CheckpointManager, steps, why: str) -> None:
     mgr.reload()
 
 # %% ../nbs/03_checkpoint.ipynb
+def state_bytes(*trees) -> int:
+    "Bytes a checkpoint of `trees` takes: every array once, however it is sharded (trained float weights do not compress)."
+    return sum(x.size * np.dtype(x.dtype).itemsize for t in trees for x in jax.tree.leaves(t) if hasattr(x, "dtype"))
+
+def _intact(latest: int | None) -> str:
+    return (f"the newest complete checkpoint (step {latest}) is intact" if latest is not None else
+            "no checkpoint had been written before it")
+
+def _size(n: int) -> str: return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+def check_free_space(directory, need: int, step: int, latest: int | None) -> None:
+    "Raise `CheckpointError` before a save of `need` bytes into `directory` that its disk has no room for."
+    d = Path(directory)
+    while not d.exists() and d != d.parent: d = d.parent
+    free = shutil.disk_usage(d).free
+    if free < need:
+        raise CheckpointError(f"checkpoint step {step} needs about {_size(need)} under {directory} and its disk "
+                              f"has {_size(free)} free; {_intact(latest)}. Free space (or move the "
+                              f"run to a larger disk: base_output_directory=...) and rerun"
+                              f"{' to resume' if latest is not None else ''}")
+
+def _drop_closed_loop_tracebacks() -> None:
+    "Once per process: when a write fails, Tensorstore's callbacks for the writes still in flight land on Orbax's closed event loop, each reporting \"RuntimeError: Event loop is closed\" (some through `sys.excepthook`, some through `sys.unraisablehook`), hundreds burying the error: drop exactly those, pass everything else on."
+    if getattr(sys.excepthook, "maxpost_quiet", False): return
+    closed = lambda e: isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+    previous, previous_unraisable = sys.excepthook, sys.unraisablehook
+    def hook(kind, value, tb):
+        if not closed(value): previous(kind, value, tb)
+    def unraisable(u):
+        if not closed(u.exc_value): previous_unraisable(u)
+    hook.maxpost_quiet = True
+    sys.excepthook, sys.unraisablehook = hook, unraisable
+
 def save_state(mgr: ocp.CheckpointManager, step: int, params, opt_state=None, meta: dict | None = None) -> None:
-    "Save `params` (and `opt_state`, JSON `meta`) as checkpoint `step`; a failed write raises `CheckpointError` and leaves the earlier steps intact."
+    "Save `params` (and `opt_state`, JSON `meta`) as checkpoint `step`; a disk without room for it, or a failed write, raises `CheckpointError` and leaves the earlier steps intact."
     step = int(step)
     _set_aside(mgr, [s for s in mgr.all_steps() if s >= step], f"the run is saving step {step} again")
+    check_free_space(mgr.directory, state_bytes(params, opt_state), step, mgr.latest_step())
     items = dict(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(dict(meta or {}, step=step)))
     if opt_state is not None: items["opt_state"] = ocp.args.StandardSave(opt_state)
+    _drop_closed_loop_tracebacks()
+    absl = logging.getLogger("absl")   # Orbax logs each failed writer thread's traceback; the error below says it once
+    level = absl.level
+    absl.setLevel(logging.CRITICAL)
     try:
         mgr.save(step, args=ocp.args.Composite(**items))
         mgr.wait_until_finished()
     except Exception as e:
         mgr.reload()
         raise CheckpointError(f"could not write checkpoint step {step} under {mgr.directory}: {type(e).__name__}: "
-                              f"{e}. The newest complete checkpoint (step {mgr.latest_step()}) is intact; fix the "
-                              f"cause (permissions, free space, another process writing the same run) and rerun "
-                              f"to resume from it") from e
+                              f"{e}. {_intact(mgr.latest_step()).capitalize()}; fix the cause (permissions, free "
+                              f"space, another process writing the same run) and rerun"
+                              f"{' to resume' if mgr.latest_step() is not None else ''}") from e
+    finally: absl.setLevel(level)
     prune_steps(mgr, getattr(mgr, "maxpost_max_to_keep", None))   # after a complete save: never mixed up with it
 
 # %% ../nbs/03_checkpoint.ipynb

@@ -248,7 +248,7 @@ def test_run_config_reaches_a_hugging_face_model(saved, tmp_path):
 import subprocess, sys, textwrap, warnings
 from pathlib import Path
 
-from maxpost.checkpoint import checkpoint_manager, save_state, restore_state
+from maxpost.checkpoint import checkpoint_manager, save_state, restore_state, CheckpointError
 from maxpost.convert import convert_main, hf_to_maxpost
 from maxpost.model import get_model_config, create_model
 
@@ -433,3 +433,64 @@ def test_a_symlinked_checkpoint_step_is_never_deleted_through_and_the_run_resume
     out = train_sft(load_config("sft", [*args, "steps=8"]), progress=False)       # and the run still resumes
     assert out["step"] == 8 and [m["step"] for m in read_metrics(tmp_path / "r", "train")] == [2, 4, 6, 8]
     assert sorted(p.name for p in ck.iterdir()) == ["2", "6", "8"]                # a real old step is still pruned
+
+
+RANDOM_STATE = """
+def _random_state(seed=0):
+    "The tiny model's weights and an AdamW state of random values (zeros would compress to nothing on disk)."
+    import jax, jax.numpy as jnp, optax
+    from flax import nnx
+    from maxpost.model import create_model, get_model_config
+    params = nnx.state(create_model(get_model_config("tiny"), seed=seed), nnx.Param)
+    noise = lambda x: x + jax.random.normal(jax.random.key(seed + 1), x.shape, x.dtype) if x.dtype == jnp.float32 else x
+    return params, jax.tree.map(noise, optax.adamw(1e-3).init(params))
+"""
+exec(RANDOM_STATE)   # here, and in the subprocess below
+
+
+def test_a_save_the_disk_has_no_room_for_is_refused_before_writing(tmp_path, monkeypatch):
+    """issue 32: a full disk is seen before Orbax writes a byte: one CheckpointError naming the step, the room it
+    needs and what is intact; nothing of the refused step on disk, the earlier step restores."""
+    import collections, shutil
+    import maxpost.checkpoint as C
+    params, opt = _random_state()
+    mgr = checkpoint_manager(tmp_path / "ck", max_to_keep=2)
+    save_state(mgr, 1, params, opt)
+    used = sum(f.stat().st_size for f in (tmp_path / "ck" / "1").rglob("*") if f.is_file())
+    need = sum(x.nbytes for x in jax.tree.leaves((params, opt)))
+    assert 0.9 * need < used < 1.1 * need, (used, need)   # the estimate is what Orbax writes for trained weights
+    Usage = collections.namedtuple("Usage", "total used free")
+    monkeypatch.setattr(C.shutil, "disk_usage", lambda p: Usage(10**12, 10**12 - used // 2, used // 2))
+    with pytest.raises(CheckpointError, match=r"checkpoint step 2 needs about 12\.\d MiB .* has 5\.\d MiB free; the "
+                                              r"newest complete checkpoint \(step 1\) is intact\. Free space"):
+        save_state(mgr, 2, params, opt)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["1"]
+    back, _, meta = restore_state(checkpoint_manager(tmp_path / "ck"), params, opt)
+    assert meta["step"] == 1
+
+
+def test_a_write_that_fails_in_flight_is_one_error_not_hundreds_of_tracebacks(tmp_path):
+    """issue 32: a write that fails half-way (here: a file-size limit, as a quota or a disk filled by another process
+    would) used to print Orbax's traceback of every failed writer thread and ~180 "Event loop is closed" from the
+    writes still in flight, burying the exit-5 message. Now stderr holds only the CheckpointError, and step 1 is intact."""
+    code = RANDOM_STATE + f"""
+import resource, signal, sys
+from maxpost.checkpoint import checkpoint_manager, save_state, save_limit_gb, CheckpointError
+params, opt = _random_state()
+mgr = checkpoint_manager({str(tmp_path / "ck")!r}, max_to_keep=2, save_concurrent_gb=save_limit_gb(params, opt))
+save_state(mgr, 1, params, opt)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # past the limit a write fails with EFBIG instead of killing the process
+resource.setrlimit(resource.RLIMIT_FSIZE, (10**6, resource.RLIM_INFINITY))
+try: save_state(mgr, 2, params, opt)
+except CheckpointError as e: print("CheckpointError:", e, file=sys.stderr); sys.exit(5)
+"""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 5, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("CheckpointError: could not write checkpoint step 2"), r.stderr[-3000:]
+    assert "(step 1) is intact" in lines[0]
+    params, opt = _random_state()
+    back, _, meta = restore_state(checkpoint_manager(tmp_path / "ck"), params, opt)
+    assert meta["step"] == 1
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)): np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
