@@ -233,6 +233,13 @@ class RLConfig(TrainConfig, GenerationConfig):
         help="process: a worker process per function (a timeout stops it); thread: in this process")
     rollout_engine: str = key("maxpost", choices="maxpost.rl:ROLLOUT_ENGINES",
         help="the sampler of the rollouts: maxpost's own, or vLLM")
+    importance_sampling_mode: Optional[str] = key(None, choices="maxpost.sampler_correction:IMPORTANCE_SAMPLING_MODES",
+        help="weights pi_trainer / pi_sampler correcting for the sampler (chapter 12c), per token or sequence, truncated "
+             "or masked; null = sequence_mask with vLLM, none with maxpost's sampler (the trainer's weights and dtype)")
+    importance_sampling_clip_max: Optional[float] = key(3.0, positive=True,
+        help="C_max of the correction: *_truncate lowers a weight to it, *_mask drops a weight above it; null = no bound")
+    importance_sampling_clip_min: Optional[float] = key(None, non_negative=True,
+        help="C_min of the correction: *_truncate raises a weight to it, *_mask drops a weight below it; null = no bound")
 
     def batch_problems(self) -> list[str]:
         "Groups, mini-batches of whole groups, micro-batches of whole groups (instead of `TrainConfig`'s split)."
@@ -252,19 +259,27 @@ class RLConfig(TrainConfig, GenerationConfig):
 
     @classmethod
     def defaults_from(cls, values: dict) -> dict:
-        "The algorithm's defaults that `None` stands for: `epsilon_low`, `epsilon_high` (`maxpost.rl.DEFAULT_EPSILONS`) and `loss_agg_mode` of `values['loss_algo']`."
-        eps = importlib.import_module("maxpost.rl").DEFAULT_EPSILONS
-        if values.get("loss_algo") not in eps: return {}   # a wrong word: validate names it
-        low, high = eps[values["loss_algo"]]
+        "The defaults that `None` stands for: `epsilon_low`, `epsilon_high` (`maxpost.rl.DEFAULT_EPSILONS`) and `loss_agg_mode` of `values['loss_algo']`; `importance_sampling_mode` of `values['rollout_engine']` (`maxpost.rl.DEFAULT_IMPORTANCE_SAMPLING`)."
+        rl, out = importlib.import_module("maxpost.rl"), {}
+        if values.get("rollout_engine") in rl.DEFAULT_IMPORTANCE_SAMPLING:   # a wrong word: validate names it
+            out["importance_sampling_mode"] = rl.DEFAULT_IMPORTANCE_SAMPLING[values["rollout_engine"]]
+        if values.get("loss_algo") not in rl.DEFAULT_EPSILONS: return out
+        low, high = rl.DEFAULT_EPSILONS[values["loss_algo"]]
         agg = "sequence-mean-token-mean" if values["loss_algo"] == "gspo" else "token-mean"
-        return dict(epsilon_low=low, epsilon_high=high, loss_agg_mode=agg)
+        return out | dict(epsilon_low=low, epsilon_high=high, loss_agg_mode=agg)
 
     def problems(self) -> list[str]:
-        "`TrainConfig`'s problems (with the group checks) and one weight per reward function."
+        "`TrainConfig`'s problems (with the group checks), one weight per reward function, and bounds of the sampler correction that make sense."
         out = super().problems()
         if len(self.reward_functions) != len(self.reward_weights):
             out.append(f"reward_functions has {len(self.reward_functions)} entries but reward_weights has "
                        f"{len(self.reward_weights)}; give one weight per function")
+        lo, hi, mode = self.importance_sampling_clip_min, self.importance_sampling_clip_max, self.importance_sampling_mode
+        if lo is not None and hi is not None and lo >= hi:
+            out.append(f"importance_sampling_clip_min={lo} must be below importance_sampling_clip_max={hi}")
+        if mode in ("token_truncate", "sequence_truncate") and lo is None and hi is None:
+            out.append(f"importance_sampling_mode={mode} truncates the weights to [clip_min, clip_max] but both are null; "
+                       "set importance_sampling_clip_max (TRL's default is 3.0) or importance_sampling_clip_min")
         return out
 
 # %% ../nbs/00_config.ipynb

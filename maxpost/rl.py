@@ -14,6 +14,7 @@ from .config import RLConfig, run_dir
 from . import sharding
 from .advantages import group_advantages
 from .policy_loss import policy_loss
+from .sampler_correction import importance_weights
 from .rewards import as_reward_specs, compute_rewards, correctness_reward, start_reward_workers, close_reward_workers
 from .sampling import Rollout, generate, completion_logps
 from .sft_loss import LOGITS_CHUNK_SIZE
@@ -24,9 +25,10 @@ from .train import Trainer, train_command
 from .step import make_update_step, ReferencePolicy
 
 # %% auto 0
-__all__ = ['DEFAULT_EPSILONS', 'ROLLOUT_ENGINES', 'resolve_epsilons', 'loss_options', 'PromptIterator', 'RolloutEngine',
-           'SamplerEngine', 'make_engine', 'sampling_options', 'rollout_metrics', 'group_mini_batches', 'split_groups',
-           'merge_groups', 'make_logps_fn', 'make_rl_step', 'RLTrainer', 'train_rl', 'main']
+__all__ = ['DEFAULT_EPSILONS', 'ROLLOUT_ENGINES', 'DEFAULT_IMPORTANCE_SAMPLING', 'resolve_epsilons', 'loss_options',
+           'PromptIterator', 'RolloutEngine', 'SamplerEngine', 'make_engine', 'sampling_options', 'correction_options',
+           'rollout_metrics', 'group_mini_batches', 'split_groups', 'merge_groups', 'make_logps_fn', 'make_rl_step',
+           'RLTrainer', 'train_rl', 'main']
 
 # %% ../nbs/15_rl.ipynb
 DEFAULT_EPSILONS = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4)}
@@ -105,6 +107,14 @@ def sampling_options(cfg: RLConfig, tokenizer) -> dict:
                 eos_ids=stop_token_ids(tokenizer), pad_id=tokenizer.pad_token_id or 0)
 
 # %% ../nbs/15_rl.ipynb
+DEFAULT_IMPORTANCE_SAMPLING = {"maxpost": "none", "vllm": "sequence_mask"}   # the engine -> the correction it needs
+
+def correction_options(cfg: RLConfig) -> dict:
+    "The keyword arguments of `importance_weights` for this config: the mode (`None`: the engine's default) and its bounds."
+    mode = cfg.importance_sampling_mode or DEFAULT_IMPORTANCE_SAMPLING[cfg.rollout_engine]
+    return dict(mode=mode, clip_max=cfg.importance_sampling_clip_max, clip_min=cfg.importance_sampling_clip_min)
+
+# %% ../nbs/15_rl.ipynb
 def rollout_metrics(rewards_b: np.ndarray, advantages_b: np.ndarray, completion_ids: np.ndarray,
                     completion_mask: np.ndarray, num_generations: int, eos_ids: Sequence[int]) -> dict:
     "The rollout's metrics under TRL's names (see the table): rewards, their spread per group, completion lengths."
@@ -153,23 +163,31 @@ def make_logps_fn(graphdef, temperature: float, num_generations: int = 1, parts:
     return jax.jit(logps)
 
 # %% ../nbs/15_rl.ipynb
-_COMBINE = {"ratio/min": jnp.min, "ratio/max": jnp.max}   # every other metric is already divided by the mini-batch's counts
+_COMBINE = {"ratio/min": jnp.min, "ratio/max": jnp.max,   # every other metric is already divided by the mini-batch's counts
+            "sampling/sampling_logp_difference/max": jnp.max}
 
 def make_rl_step(graphdef, tx, loss_kwargs: dict, temperature: float, num_generations: int = 1, accum: int = 1,
                  chunk_size: int | None = LOGITS_CHUNK_SIZE):
-    "Jitted `step(params, rest, opt_state, batch) -> (params, opt_state, metrics)` on `policy_loss`, summing `accum` micro-batches of whole groups."
+    "Jitted `step(params, rest, opt_state, batch) -> (params, opt_state, metrics)` on `policy_loss` (times the batch's `importance_weights`, if any), summing `accum` micro-batches of whole groups."
     def micro_loss(model, m, counts):
         logps, entropy = completion_logps(model, m["prompt_ids"], m["prompt_mask"], m["completion_ids"],
                                           m["completion_mask"], temperature, num_generations, chunk_size=chunk_size,
                                           with_entropy=True)
         loss, metrics = policy_loss(logps, m.get("old_per_token_logps"), m.get("ref_per_token_logps"), m["advantages"],
-                                    m["completion_mask"], **loss_kwargs, **counts)
+                                    m["completion_mask"], **loss_kwargs, num_tokens=counts["num_tokens"],
+                                    num_sequences=counts["num_sequences"], importance_weights=m.get("importance_weights"))
+        if "sampler_logps" in m:   # this forward pass is π_prox: |log π_prox - log μ| costs nothing here
+            known = (m["completion_mask"] > 0) & ~jnp.isnan(m["sampler_logps"])
+            d = jnp.where(known, jnp.abs(jax.lax.stop_gradient(logps) - jnp.where(known, m["sampler_logps"], 0.0)), 0.0)
+            metrics |= {"sampling/sampling_logp_difference/mean": d.sum() / jnp.maximum(counts["num_known"], 1),
+                        "sampling/sampling_logp_difference/max": d.max()}
         ent = jax.lax.stop_gradient(jnp.where(m["completion_mask"] > 0, entropy, 0.0).sum() / jnp.maximum(counts["num_tokens"], 1))
         return loss, {**metrics, "entropy": ent, "loss": loss}
 
     def counts(b):   # the step's counts, which every micro-batch's loss is divided by
         mask = b["completion_mask"]
-        return dict(num_tokens=mask.sum(), num_sequences=(mask.sum(1) > 0).sum())
+        known = {"num_known": ((mask > 0) & ~jnp.isnan(b["sampler_logps"])).sum()} if "sampler_logps" in b else {}
+        return dict(num_tokens=mask.sum(), num_sequences=(mask.sum(1) > 0).sum(), **known)
 
     return make_update_step(graphdef, tx, micro_loss, accum=accum, totals=counts, combine=_COMBINE,
                             split=lambda b, parts: split_groups(b, parts, num_generations))
@@ -186,6 +204,7 @@ class RLTrainer(Trainer):
         G, B, A = cfg.num_generations, cfg.global_batch_size, cfg.gradient_accumulation_steps
         self.mini_batch = cfg.mini_batch_size or B
         self.updates_per_step = cfg.num_iterations * (B // self.mini_batch)
+        self.correction = correction_options(cfg)   # the sampler correction: importance_weights' mode and bounds
         self.reference = None                  # π_ref (only when beta > 0): the initial weights; with LoRA, the base (adapters off)
         if cfg.beta > 0:
             self.reference = ReferencePolicy(self.params, self.rest, lambda *a: self.run_step("logps_fn", *a),
@@ -238,16 +257,20 @@ class RLTrainer(Trainer):
         return dict(batch=batch, sampler_logps=r.per_token_logps, info=info, text=r.text, examples=examples)
 
     def update(self, ro: dict) -> dict:
-        "π_old / π_ref log-probs, then μ passes of mini-batch updates; returns the step's metrics."
+        "π_old (π_prox) / π_ref log-probs and the sampler correction's weights, then μ passes of mini-batch updates; returns the step's metrics."
         with jax.set_mesh(self.mesh): return self._update(ro)   # the model code reads the mesh (see 01_sharding)
 
     def _update(self, ro: dict) -> dict:
         cfg, batch, info = self.cfg, dict(ro["batch"]), dict(ro["info"])
         t0, dev = time.perf_counter(), sharding.shard_batch(batch, self.mesh)
-        if self.updates_per_step > 1:     # the policy moves before the last update: freeze π_old now
-            batch["old_per_token_logps"] = np.asarray(self.run_step("logps_fn", self.params, self.rest, dev))
-            diff = (batch["old_per_token_logps"] - ro["sampler_logps"]) * batch["completion_mask"]
-            info["sampler_logp_diff"] = float(np.abs(diff).max())
+        correct = self.correction["mode"] != "none"
+        if self.updates_per_step > 1 or correct:   # the policy moves before the last update, or the sampler is not it
+            batch["old_per_token_logps"] = np.asarray(self.run_step("logps_fn", self.params, self.rest, dev))   # π_prox
+            w, m = importance_weights(batch["old_per_token_logps"], ro["sampler_logps"], batch["completion_mask"],
+                                      **self.correction)
+            info |= {k: float(v) for k, v in m.items()}
+            if correct: batch["importance_weights"] = np.asarray(w)
+        else: batch["sampler_logps"] = ro["sampler_logps"]   # the one update's forward pass measures the difference
         if self.reference is not None: batch["ref_per_token_logps"] = np.asarray(self.reference.logps(dev))
         info["timing/logps"], t0, metrics = time.perf_counter() - t0, time.perf_counter(), []
         rng = np.random.default_rng([cfg.seed, self.step])

