@@ -160,3 +160,27 @@ def test_a_killed_k1_run_resumes_consistently(tmp_path):
     assert rec[2]["async/staleness"] == 0                       # the resumed producer starts from the checkpoint
     assert all(r["async/staleness"] <= 1 for r in rec)
     assert meta(run, 5)["data"]["position"] == pos2 + per_step * (3 + rec[-1]["async/dropped"])
+
+
+def test_maxpost_rl_with_k1_resumes_after_sigkill(tmp_path):
+    """The real thing through the CLI: `maxpost rl max_staleness=1` is killed (SIGKILL, queue and thread included) after
+    a checkpoint and rerun: it resumes from the last checkpoint and finishes with one record per step, no lag above 1,
+    and a prompt position that counts exactly the rollouts trained on or dropped since that checkpoint."""
+    import os, signal, subprocess, sys
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    run, steps = tmp_path / "cli", 8
+    cmd = [sys.executable, "-m", "maxpost.cli", "rl", f"base_output_directory={tmp_path}", "run_name=cli", *SMALL,
+           f"steps={steps}", "max_staleness=1", "checkpoint_period=2", "reward_functions=[correctness, format]"]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ck, deadline = run / "checkpoints", time.time() + 600
+    while time.time() < deadline and not (ck / "4" / "meta" / "metadata").exists() and p.poll() is None: time.sleep(0.01)
+    p.send_signal(signal.SIGKILL); p.wait()
+    done = sorted(int(d.name) for d in ck.iterdir() if d.name.isdigit() and (d / "meta" / "metadata").exists())
+    assert done and max(done) < steps, f"the run finished before it could be killed: {done}"
+    start = max(done); pos = meta(run, start)["data"]["position"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = read_metrics(run, "train")
+    assert [x["step"] for x in rec] == list(range(1, steps + 1))
+    assert all(x["async/staleness"] <= 1 for x in rec) and rec[start]["async/staleness"] == 0   # fresh producer
+    assert meta(run, steps)["data"]["position"] == pos + 2 * (steps - start + rec[-1]["async/dropped"])
