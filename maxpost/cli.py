@@ -14,7 +14,7 @@ __all__ = ['COMMANDS', 'EXIT_CODES', 'command_help', 'show_config', 'held_out_af
 # %% ../nbs/17_cli.ipynb
 COMMANDS = {
     "sft": ("maxpost.cli:sft_main", "supervised fine-tuning (base: configs/sft.yml; default: the embedded task)"),
-    "rl": ("maxpost.rl:main", "GRPO / GSPO from an SFT or Hugging Face checkpoint (base: configs/rl.yml)"),
+    "rl": ("maxpost.async_rl:main", "GRPO / GSPO from an SFT or Hugging Face checkpoint (base: configs/rl.yml)"),
     "dpo": ("maxpost.dpo:main", "DPO / IPO / hinge / ORPO / SimPO from preference pairs (base: configs/dpo.yml)"),
     "eval": ("maxpost.evaluate:main", "pass@1, pass@k, maj@k and format rate of a checkpoint (base: configs/eval.yml)"),
     "convert": ("maxpost.convert:convert_main", "Hugging Face / maxpost / MaxText checkpoints, either way"),

@@ -240,6 +240,10 @@ class RLConfig(TrainConfig, GenerationConfig):
         help="C_max of the correction: *_truncate lowers a weight to it, *_mask drops a weight above it; null = no bound")
     importance_sampling_clip_min: Optional[float] = key(None, non_negative=True,
         help="C_min of the correction: *_truncate raises a weight to it, *_mask drops a weight below it; null = no bound")
+    max_staleness: int = key(0, non_negative=True,
+        help="k: rollouts run in a background thread while the trainer updates, each with a weight snapshot at most k "
+             "steps older than the trained policy (older ones are dropped; chapter 15c); 0 = the synchronous loop; k > 0 "
+             "makes the default importance_sampling_mode token_truncate (pi_prox recomputed by the trainer)")
 
     def batch_problems(self) -> list[str]:
         "Groups, mini-batches of whole groups, micro-batches of whole groups (instead of `TrainConfig`'s split)."
@@ -259,10 +263,12 @@ class RLConfig(TrainConfig, GenerationConfig):
 
     @classmethod
     def defaults_from(cls, values: dict) -> dict:
-        "The defaults that `None` stands for: `epsilon_low`, `epsilon_high` (`maxpost.rl.DEFAULT_EPSILONS`) and `loss_agg_mode` of `values['loss_algo']`; `importance_sampling_mode` of `values['rollout_engine']` (`maxpost.rl.DEFAULT_IMPORTANCE_SAMPLING`)."
+        "The defaults that `None` stands for: `epsilon_low`, `epsilon_high` (`maxpost.rl.DEFAULT_EPSILONS`) and `loss_agg_mode` of `values['loss_algo']`; `importance_sampling_mode` of `values['rollout_engine']` and `values['max_staleness']` (`maxpost.rl.default_importance_sampling`)."
         rl, out = importlib.import_module("maxpost.rl"), {}
         if values.get("rollout_engine") in rl.DEFAULT_IMPORTANCE_SAMPLING:   # a wrong word: validate names it
-            out["importance_sampling_mode"] = rl.DEFAULT_IMPORTANCE_SAMPLING[values["rollout_engine"]]
+            k = values.get("max_staleness")
+            out["importance_sampling_mode"] = rl.default_importance_sampling(values["rollout_engine"],
+                                                                             k if isinstance(k, int) else 0)
         if values.get("loss_algo") not in rl.DEFAULT_EPSILONS: return out
         low, high = rl.DEFAULT_EPSILONS[values["loss_algo"]]
         agg = "sequence-mean-token-mean" if values["loss_algo"] == "gspo" else "token-mean"
@@ -280,6 +286,9 @@ class RLConfig(TrainConfig, GenerationConfig):
         if mode in ("token_truncate", "sequence_truncate") and lo is None and hi is None:
             out.append(f"importance_sampling_mode={mode} truncates the weights to [clip_min, clip_max] but both are null; "
                        "set importance_sampling_clip_max (TRL's default is 3.0) or importance_sampling_clip_min")
+        if self.max_staleness and self.rollout_engine != "maxpost":
+            out.append(f"max_staleness={self.max_staleness} overlaps maxpost's own sampler with the update; with "
+                       f"rollout_engine={self.rollout_engine} set max_staleness=0 (the synchronous loop)")
         return out
 
 # %% ../nbs/00_config.ipynb

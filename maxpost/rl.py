@@ -10,7 +10,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
 
-from .config import RLConfig, run_dir
+from .config import ConfigError, RLConfig, run_dir
 from . import sharding
 from .advantages import group_advantages
 from .policy_loss import policy_loss
@@ -25,10 +25,10 @@ from .train import Trainer, train_command
 from .step import make_update_step, ReferencePolicy
 
 # %% auto 0
-__all__ = ['DEFAULT_EPSILONS', 'ROLLOUT_ENGINES', 'DEFAULT_IMPORTANCE_SAMPLING', 'resolve_epsilons', 'loss_options',
-           'PromptIterator', 'RolloutEngine', 'SamplerEngine', 'make_engine', 'sampling_options', 'correction_options',
-           'rollout_metrics', 'group_mini_batches', 'split_groups', 'merge_groups', 'make_logps_fn', 'make_rl_step',
-           'RLTrainer', 'train_rl', 'main']
+__all__ = ['DEFAULT_EPSILONS', 'ROLLOUT_ENGINES', 'DEFAULT_IMPORTANCE_SAMPLING', 'STALE_IMPORTANCE_SAMPLING', 'resolve_epsilons',
+           'loss_options', 'PromptIterator', 'RolloutEngine', 'SamplerEngine', 'make_engine', 'sampling_options',
+           'default_importance_sampling', 'correction_options', 'rollout_metrics', 'group_mini_batches', 'split_groups',
+           'merge_groups', 'make_logps_fn', 'make_rl_step', 'RLTrainer', 'train_rl', 'main']
 
 # %% ../nbs/15_rl.ipynb
 DEFAULT_EPSILONS = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4)}
@@ -108,10 +108,15 @@ def sampling_options(cfg: RLConfig, tokenizer) -> dict:
 
 # %% ../nbs/15_rl.ipynb
 DEFAULT_IMPORTANCE_SAMPLING = {"maxpost": "none", "vllm": "sequence_mask"}   # the engine -> the correction it needs
+STALE_IMPORTANCE_SAMPLING = "token_truncate"   # rollouts of older weights (max_staleness > 0, chapter 15c)
+
+def default_importance_sampling(engine: str, max_staleness: int = 0) -> str:
+    "The correction that `importance_sampling_mode=null` means: the engine's, or `STALE_IMPORTANCE_SAMPLING` when maxpost's sampler may hold older weights."
+    return STALE_IMPORTANCE_SAMPLING if max_staleness > 0 and engine == "maxpost" else DEFAULT_IMPORTANCE_SAMPLING[engine]
 
 def correction_options(cfg: RLConfig) -> dict:
     "The keyword arguments of `importance_weights` for this config: the mode (`None`: the engine's default) and its bounds."
-    mode = cfg.importance_sampling_mode or DEFAULT_IMPORTANCE_SAMPLING[cfg.rollout_engine]
+    mode = cfg.importance_sampling_mode or default_importance_sampling(cfg.rollout_engine, cfg.max_staleness)
     return dict(mode=mode, clip_max=cfg.importance_sampling_clip_max, clip_min=cfg.importance_sampling_clip_min)
 
 # %% ../nbs/15_rl.ipynb
@@ -196,9 +201,13 @@ def make_rl_step(graphdef, tx, loss_kwargs: dict, temperature: float, num_genera
 class RLTrainer(Trainer):
     "GRPO / GSPO: rollout -> rewards -> group-relative advantages -> π_old / π_ref log-probs -> μ passes of mini-batch updates."
     kind, eval_at_start = "rl", True
+    asynchronous = False   # max_staleness > 0 needs a trainer that overlaps rollouts with updates (chapter 15c)
     progress_keys = ("loss", "reward", "pass@1")
 
     def __init__(self, cfg: RLConfig, *, reward_fns=None, engine: RolloutEngine | None = None):
+        if cfg.max_staleness and not self.asynchronous:
+            raise ConfigError(f"max_staleness={cfg.max_staleness} needs maxpost.async_rl.AsyncRLTrainer (what `maxpost rl` "
+                              "runs); RLTrainer is the synchronous loop (max_staleness=0)")
         super().__init__(cfg)
         check_held_out(cfg)
         G, B, A = cfg.num_generations, cfg.global_batch_size, cfg.gradient_accumulation_steps
@@ -236,13 +245,15 @@ class RLTrainer(Trainer):
         self.step_fn = self.compiled(make_rl_step(self.graphdef, self.tx, loss_options(cfg), cfg.temperature, G, A,
                                                   chunk_size=chunk), "the RL update")
 
-    def rollout(self) -> dict:
-        "Sample this step's prompts and completions, score them, and build the training batch (numpy)."
+    def rollout(self, index: int | None = None, engine: RolloutEngine | None = None) -> dict:
+        "Sample this step's prompts and completions, score them, and build the training batch (numpy); `index` (default: the step) seeds the sampler, `engine` (default: `self.engine`) generates."
         cfg, G = self.cfg, self.cfg.num_generations
         examples = self.prompts.next(cfg.global_batch_size // G)
+        data_state, index = self.prompts.state(), self.step if index is None else index
         t0 = time.perf_counter()
-        r = self.engine.generate(prompt_token_ids(self.tokenizer, [e["question"] for e in examples], cfg.prompt_template),
-                                 **self.sampling, seed=cfg.seed * 1_000_003 + self.step)
+        r = (engine or self.engine).generate(prompt_token_ids(self.tokenizer, [e["question"] for e in examples],
+                                                              cfg.prompt_template),
+                                             **self.sampling, seed=cfg.seed * 1_000_003 + index)
         t_roll = time.perf_counter() - t0
         columns = {k: [e[k] for e in examples for _ in range(G)] for k in examples[0] if k != "question"}
         total, _, reward_metrics = compute_rewards(self.rewards, [e["question"] for e in examples for _ in range(G)],
@@ -254,7 +265,8 @@ class RLTrainer(Trainer):
         info = {**rollout_metrics(total, adv, r.completion_ids, r.completion_mask, G, self.sampling["eos_ids"]),
                 **reward_metrics, "timing/rollout": t_roll, "truncated_prompts": r.num_truncated_prompts,
                 "num_tokens": int(r.prompt_mask.sum() + r.completion_mask.sum())}
-        return dict(batch=batch, sampler_logps=r.per_token_logps, info=info, text=r.text, examples=examples)
+        return dict(batch=batch, sampler_logps=r.per_token_logps, info=info, text=r.text, examples=examples,
+                    data_state=data_state)   # the prompts' position once this rollout is trained on
 
     def update(self, ro: dict) -> dict:
         "π_old (π_prox) / π_ref log-probs and the sampler correction's weights, then μ passes of mini-batch updates; returns the step's metrics."
