@@ -253,9 +253,9 @@ class RLConfig(TrainConfig, GenerationConfig):
         if G > 0 and B % G: out.append(f"global_batch_size={B} must be a multiple of num_generations={G} (each prompt "
                                        "gets num_generations completions)")
         mb = self.mini_batch_size or B
-        if G > 0 and mb and (mb % G or B % mb):
-            out.append(f"mini_batch_size={self.mini_batch_size} must be whole groups (a multiple of num_generations={G}) "
-                       f"that divide global_batch_size={B}")
+        if G > 0 and self.mini_batch_size and (mb % G or B % mb):   # 0 = the whole batch: the check above
+            out.append(f"mini_batch_size={mb} must be whole groups (a multiple of num_generations={G}) that divide "
+                       f"global_batch_size={B}; mini_batch_size=0 updates on the whole batch at once")
         elif G > 0 and mb and A and (mb // G) % A:
             out.append(f"gradient_accumulation_steps={A} must divide the {mb // G} groups "
                        "of a mini-batch (each micro-batch holds whole groups)")

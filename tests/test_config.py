@@ -181,3 +181,17 @@ def test_a_run_recorded_with_null_epsilons_still_resumes(tmp_path):
     assert [list(json.loads(l)["changed"]) for l in (d / "config_history.jsonl").read_text().splitlines()] == [["steps"]]
     with pytest.raises(ConfigError, match="epsilon_high: 0.0004 -> 0.5"):   # ... and a change is still a change
         precheck_run_dir(load_config("rl", [*base, "epsilon_high=0.5"]))
+
+
+def test_a_batch_smaller_than_the_base_mini_batch_says_how_to_update_on_all_of_it():
+    """configs/rl.yml updates in mini-batches of 32; a user who sets global_batch_size=8 is told which key clashes
+    and the value that means "the whole batch" (it used to name only the clash)."""
+    with pytest.raises(ConfigError) as e:
+        load_config("rl", ["global_batch_size=8"])
+    msg = str(e.value)
+    assert "mini_batch_size=32" in msg and "global_batch_size=8" in msg and "mini_batch_size=0" in msg, msg
+    load_config("rl", ["global_batch_size=8", "mini_batch_size=0"])        # which is then accepted
+    with pytest.raises(ConfigError) as e:                                  # an indivisible batch names itself, once
+        load_config("rl", ["global_batch_size=12", "num_generations=8", "mini_batch_size=0"])
+    assert "global_batch_size=12 must be a multiple of num_generations=8" in str(e.value)
+    assert "mini_batch_size" not in str(e.value), str(e.value)
