@@ -12,6 +12,8 @@ import jax, jax.numpy as jnp
 from flax import nnx
 
 from .config import RLConfig
+from . import sharding
+from .setup import split_devices
 from .train import train_command
 from .rl import RLTrainer, SamplerEngine
 
@@ -20,12 +22,15 @@ __all__ = ['RolloutProducer', 'AsyncRLTrainer', 'train_async_rl', 'main']
 
 # %% ../nbs/15c_async.ipynb
 class RolloutProducer:
-    "A thread running `rollout_fn(weights, index)` with the latest published weights into a queue of `max_staleness` rollouts, each tagged with its weights' version."
-    def __init__(self, rollout_fn: Callable[[Any, int], dict], max_staleness: int, weights, version: int, index: int = 0):
+    "A thread running `rollout_fn(weights, index)` with the latest published weights, at most `ahead` (default `max_staleness`) rollouts queued or under way, each tagged with its weights' version."
+    def __init__(self, rollout_fn: Callable[[Any, int], dict], max_staleness: int, weights, version: int, index: int = 0,
+                 ahead: int | None = None):
         if max_staleness < 1:
             raise ValueError(f"max_staleness={max_staleness}: a producer needs k >= 1 (k = 0 is the synchronous loop)")
+        ahead = max_staleness if ahead is None else ahead
+        if not 1 <= ahead <= max_staleness: raise ValueError(f"ahead={ahead} must be in [1, max_staleness={max_staleness}]")
         self.rollout_fn, self.max_staleness, self.index = rollout_fn, max_staleness, index
-        self.queue = queue.Queue(maxsize=max_staleness)
+        self.queue, self.slots = queue.Queue(), threading.Semaphore(ahead)   # a slot is freed when the trainer takes a rollout
         self.latest, self.lock, self.stopping, self.error = (version, weights), threading.Lock(), threading.Event(), None
         self.dropped, self.staleness = 0, Counter()      # rollouts dropped as too old; lag -> rollouts trained on
         self.thread = threading.Thread(target=self._run, name="maxpost-rollouts", daemon=True)
@@ -38,12 +43,11 @@ class RolloutProducer:
     def _run(self) -> None:
         try:
             while not self.stopping.is_set():
+                if not self.slots.acquire(timeout=0.05): continue   # `ahead` rollouts wait for the trainer: start none
                 with self.lock: version, weights = self.latest
                 ro = {**self.rollout_fn(weights, self.index), "version": version}
                 self.index += 1
-                while not self.stopping.is_set():
-                    try: self.queue.put(ro, timeout=0.05); break
-                    except queue.Full: pass
+                self.queue.put(ro)
         except BaseException as e: self.error = e
 
     def next(self, version: int) -> tuple[dict, int]:
@@ -54,6 +58,7 @@ class RolloutProducer:
                 if self.error is not None: raise RuntimeError(f"the rollout thread failed: {self.error!r}") from self.error
                 if not self.thread.is_alive(): raise RuntimeError("the rollout thread has stopped")
                 continue
+            self.slots.release()
             lag = version - ro["version"]
             if lag <= self.max_staleness:
                 self.staleness[lag] += 1
@@ -71,29 +76,44 @@ class AsyncRLTrainer(RLTrainer):
 
     def __init__(self, cfg: RLConfig, **kw):
         super().__init__(cfg, **kw)
-        self.producer, self.consumed_data_state = None, None
+        self.producer, self.consumed_data_state, self.rollout_rest = None, None, None
+        _, devices = split_devices(cfg)   # the trainer's mesh (self.mesh) holds the others
+        self.rollout_mesh = sharding.make_mesh(data=len(devices), fsdp=1, devices=devices) if devices else self.mesh
+        # another engine (vLLM) with k > 0: only the producer's thread drives it, pushing each new snapshot in between
+        # two rollouts; the update's own weight sync becomes a no-op (maxpost's sampler engine copies nothing)
+        self.engine_of_producer, self.engine_weights = None, None
+        if cfg.max_staleness and not isinstance(self.engine, SamplerEngine):
+            self.engine_of_producer, self.engine = self.engine, SamplerEngine(self.model, self.tokenizer)
 
     def snapshot(self):
-        "A copy of the trainable weights: the update donates `self.params`, so the producer cannot share them."
-        return jax.tree.map(jnp.copy, self.params)
+        "The trainable weights for the producer: a copy on the rollout mesh, or on the trainer's own (the update donates `self.params`, so the producer cannot share them)."
+        if self.rollout_mesh is self.mesh: return jax.tree.map(jnp.copy, self.params)
+        return sharding.shard_state(self.params, self.rollout_mesh)
 
     def produce(self, params, index: int) -> dict:
-        "One rollout (in the producer's thread) by maxpost's sampler holding `params`; `index` seeds it."
-        engine = SamplerEngine(nnx.merge(self.graphdef, params, self.rest), self.tokenizer)
-        with jax.set_mesh(self.mesh): return self.rollout(index, engine)   # the mesh is per thread
+        "One rollout (in the producer's thread) by maxpost's sampler holding `params` on the rollout mesh, or by the producer's engine once `params` are pushed into it; `index` seeds it."
+        engine, sync_s = self.engine_of_producer, 0.0
+        if engine is None: engine = SamplerEngine(nnx.merge(self.graphdef, params, self.rollout_rest), self.tokenizer)
+        elif params is not self.engine_weights:   # a new version (every weight_sync_steps): never mid-sequence
+            sync_s, self.engine_weights = engine.sync_weights(nnx.merge(self.graphdef, params, self.rollout_rest)), params
+        with jax.set_mesh(self.rollout_mesh): ro = self.rollout(index, engine)   # the mesh is per thread
+        ro["info"]["timing/rollout_weight_sync"] = sync_s
+        return ro
 
     def train_step(self) -> dict:
         k = self.cfg.max_staleness
         if k == 0: return super().train_step()
         if self.producer is None:   # first step of the run or of a resume: start from the (restored) weights
             self.consumed_data_state = self.prompts.state()
-            self.producer = RolloutProducer(self.produce, k, self.snapshot(), self.step, index=self.step)
+            self.rollout_rest = self.rest if self.rollout_mesh is self.mesh else sharding.shard_state(self.rest, self.rollout_mesh)
+            self.producer = RolloutProducer(self.produce, k, self.snapshot(), self.step, index=self.step,
+                                            ahead=k - self.cfg.weight_sync_steps + 1)   # so no lag exceeds k
         t0 = time.perf_counter()
         ro, lag = self.producer.next(self.step)
         wait = time.perf_counter() - t0
         self.consumed_data_state = ro["data_state"]
         info = self.update(ro)
-        self.producer.publish(self.snapshot(), self.step + 1)
+        if (self.step + 1) % self.cfg.weight_sync_steps == 0: self.producer.publish(self.snapshot(), self.step + 1)
         return info | {"async/staleness": lag, "async/dropped": self.producer.dropped, "timing/rollout_wait": wait}
 
     def data_state(self) -> dict:

@@ -235,7 +235,8 @@ class RLConfig(TrainConfig, GenerationConfig):
         help="the sampler of the rollouts: maxpost's own, or vLLM")
     importance_sampling_mode: Optional[str] = key(None, choices="maxpost.sampler_correction:IMPORTANCE_SAMPLING_MODES",
         help="weights pi_trainer / pi_sampler correcting for the sampler (chapter 12c), per token or sequence, truncated "
-             "or masked; null = sequence_mask with vLLM, none with maxpost's sampler (the trainer's weights and dtype)")
+             "or masked; null = sequence_mask with vLLM, none with maxpost's sampler (the trainer's weights and dtype), "
+             "token_truncate with max_staleness > 0 (older weights)")
     importance_sampling_clip_max: Optional[float] = key(3.0, positive=True,
         help="C_max of the correction: *_truncate lowers a weight to it, *_mask drops a weight above it; null = no bound")
     importance_sampling_clip_min: Optional[float] = key(None, non_negative=True,
@@ -244,6 +245,13 @@ class RLConfig(TrainConfig, GenerationConfig):
         help="k: rollouts run in a background thread while the trainer updates, each with a weight snapshot at most k "
              "steps older than the trained policy (older ones are dropped; chapter 15c); 0 = the synchronous loop; k > 0 "
              "makes the default importance_sampling_mode token_truncate (pi_prox recomputed by the trainer)")
+    rollout_devices: int = key(0, non_negative=True,
+        help="with max_staleness > 0, devices of the rollouts' own: the last rollout_devices devices hold a "
+             "data-parallel copy of the policy that samples, the trainer's mesh the others (Tunix's role_to_mesh, "
+             "MaxText's sampler_devices_fraction); 0 = the rollouts share the trainer's devices")
+    weight_sync_steps: int = key(1, positive=True,
+        help="with max_staleness > 0, publish the trainer's weights to the rollouts every this many updates (TRL's "
+             "weight_sync_steps); at most max_staleness, or every rollout of the older weights would be dropped")
 
     def batch_problems(self) -> list[str]:
         "Groups, mini-batches of whole groups, micro-batches of whole groups (instead of `TrainConfig`'s split)."
@@ -286,9 +294,16 @@ class RLConfig(TrainConfig, GenerationConfig):
         if mode in ("token_truncate", "sequence_truncate") and lo is None and hi is None:
             out.append(f"importance_sampling_mode={mode} truncates the weights to [clip_min, clip_max] but both are null; "
                        "set importance_sampling_clip_max (TRL's default is 3.0) or importance_sampling_clip_min")
-        if self.max_staleness and self.rollout_engine != "maxpost":
-            out.append(f"max_staleness={self.max_staleness} overlaps maxpost's own sampler with the update; with "
-                       f"rollout_engine={self.rollout_engine} set max_staleness=0 (the synchronous loop)")
+        if self.rollout_devices and self.rollout_engine != "maxpost":
+            out.append(f"rollout_devices={self.rollout_devices} places maxpost's own sampler; {self.rollout_engine} "
+                       "manages its own device memory (gpu_memory_utilization): set rollout_devices=0")
+        if self.rollout_devices and not self.max_staleness:
+            out.append(f"rollout_devices={self.rollout_devices} gives the rollouts devices of their own, which only "
+                       "pays when they run beside the update: set max_staleness >= 1, or rollout_devices=0")
+        if self.weight_sync_steps > max(self.max_staleness, 1):
+            out.append(f"weight_sync_steps={self.weight_sync_steps} publishes weights more than max_staleness="
+                       f"{self.max_staleness} versions apart, so rollouts would lag more than max_staleness and be "
+                       f"dropped; set max_staleness >= {self.weight_sync_steps} or a smaller weight_sync_steps")
         return out
 
 # %% ../nbs/00_config.ipynb

@@ -111,8 +111,8 @@ DEFAULT_IMPORTANCE_SAMPLING = {"maxpost": "none", "vllm": "sequence_mask"}   # t
 STALE_IMPORTANCE_SAMPLING = "token_truncate"   # rollouts of older weights (max_staleness > 0, chapter 15c)
 
 def default_importance_sampling(engine: str, max_staleness: int = 0) -> str:
-    "The correction that `importance_sampling_mode=null` means: the engine's, or `STALE_IMPORTANCE_SAMPLING` when maxpost's sampler may hold older weights."
-    return STALE_IMPORTANCE_SAMPLING if max_staleness > 0 and engine == "maxpost" else DEFAULT_IMPORTANCE_SAMPLING[engine]
+    "The correction that `importance_sampling_mode=null` means: the engine's, or `STALE_IMPORTANCE_SAMPLING` when the sampler may hold older weights (either engine)."
+    return STALE_IMPORTANCE_SAMPLING if max_staleness > 0 else DEFAULT_IMPORTANCE_SAMPLING[engine]
 
 def correction_options(cfg: RLConfig) -> dict:
     "The keyword arguments of `importance_weights` for this config: the mode (`None`: the engine's default) and its bounds."

