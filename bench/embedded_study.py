@@ -3,7 +3,8 @@
 `maxpost eval` of each checkpoint on held-out problems (greedy pass@1 and pass@k). Prints one row per seed, the
 mean gain of each algorithm over SFT with its seed-to-seed standard deviation, and the wall time of `maxpost sft` +
 `maxpost rl` (the main job). Finished stages are skipped on a rerun (their results are read back), so
-`--algos dpo` adds DPO to an earlier GRPO / GSPO study.
+`--algos dpo` adds DPO to an earlier GRPO / GSPO study, and `--algos grpo-k1` asynchronous GRPO (`max_staleness=1
+rollout_devices=4` on 8 virtual CPU devices).
 
     .venv/bin/python bench/embedded_study.py --seeds 0 1 2 --out maxpost_runs/study
     .venv/bin/python bench/embedded_study.py --seeds 0 1 2 --algos dpo --out maxpost_runs/study
@@ -12,16 +13,21 @@ import argparse, json, os, statistics, subprocess, sys, time
 from pathlib import Path
 
 
-def maxpost(*args: str) -> float:
-    "Run one `maxpost` command; returns its wall time in seconds."
+def maxpost(*args: str, devices: int | None = None) -> float:
+    "Run one `maxpost` command (on `devices` virtual CPU devices if given); returns its wall time in seconds."
+    env = dict(os.environ)
+    if devices: env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "maxpost.cli", *args], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "maxpost.cli", *args], check=True, stdout=subprocess.DEVNULL, env=env)
     return time.perf_counter() - t0
 
 
 # stage -> (command and its extra keys, the run directory the defaults name)
 STAGES = {"sft": (["sft"], "embedded-sft"), "grpo": (["rl"], "embedded-grpo"),
-          "gspo": (["rl", "loss_algo=gspo"], "embedded-gspo"), "dpo": (["dpo"], "embedded-sigmoid")}
+          "gspo": (["rl", "loss_algo=gspo"], "embedded-gspo"), "dpo": (["dpo"], "embedded-sigmoid"),
+          # asynchronous GRPO (chapter 15c): rollouts one step stale, on 4 of 8 virtual devices of their own
+          "grpo-k1": (["rl", "max_staleness=1", "rollout_devices=4", "run_name=embedded-grpo-k1"], "embedded-grpo-k1")}
+DEVICES = {"grpo-k1": 8}   # every other stage runs on what the host gives (1 CPU device unless XLA_FLAGS says more)
 
 
 def run_seed(seed: int, out: Path, eval_num_prompts: int, eval_k: int, algos: list[str]) -> dict:
@@ -33,7 +39,7 @@ def run_seed(seed: int, out: Path, eval_num_prompts: int, eval_k: int, algos: li
         if stage in rec["results"]: continue
         (cmd, *extra), run = STAGES[stage]
         common = [f"base_output_directory={d}", f"seed={seed}"]
-        rec["times_s"][stage] = maxpost(cmd, *common, *extra)
+        rec["times_s"][stage] = maxpost(cmd, *common, *extra, devices=DEVICES.get(stage))
         maxpost("eval", *common, f"load_parameters_path={d / run}", f"run_name=eval-{stage}",
                 f"eval_num_prompts={eval_num_prompts}", f"eval_k={eval_k}")
         rec["results"][stage] = json.loads((d / f"eval-{stage}" / "eval.json").read_text())["metrics"]
