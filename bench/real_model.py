@@ -2,7 +2,7 @@
 one-digit numbers), full fine-tuning and LoRA, held-out greedy pass@1 before and after.
 
 For each seed: `maxpost rl` from the Hugging Face directory with every weight training (`full`), then the same with
-LoRA adapters (`lora`), each followed by `maxpost eval` of its final checkpoint; the untrained model is evaluated once
+LoRA adapters at lr 5e-5 (`lora-lr5e-5`; `lora`, at lr 1e-4, collapsed on seed 1), each followed by `maxpost eval` of its final checkpoint; the untrained model is evaluated once
 (`base`; greedy decoding does not depend on the seed). Every command runs under GNU `/usr/bin/time -v` (peak RSS of
 the process, wall time); seconds per step are the median of `timing/step` in the run's metrics.jsonl after the first
 step (which compiles). The record, with the reward curves and the base and trained models' completions on the same
@@ -123,7 +123,7 @@ def table(rec: dict) -> str:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--stages", nargs="+", choices=list(STAGES), default=["full", "lora"])
+    p.add_argument("--stages", nargs="+", choices=list(STAGES), default=["full", "lora-lr5e-5"])
     p.add_argument("--quick", action="store_true", help="2 steps of 2 prompts x 4 completions, 8 eval prompts")
     p.add_argument("--out", type=Path, default=None, help="run directories (default maxpost_runs/real_model[_quick])")
     p.add_argument("--record", type=Path, default=None, help="JSON record (default bench/results/real_model[_quick].json)")

@@ -75,9 +75,12 @@ largest gap between them.)
 
     .venv/bin/python bench/real_model_setup.py             # the model directory, once
     .venv/bin/python bench/real_model_trl.py               # seed 0, 60 steps of each, then both evaluations
+    .venv/bin/python bench/real_model_trl.py --seed 1      # another seed: record real_model_trl_seed1.json
     .venv/bin/python bench/real_model_trl.py --steps 3 --skip-eval   # time a few full-size steps of each
     .venv/bin/python bench/real_model_trl.py --quick       # smoke run: 2 steps, 2 prompts x 4 completions, 8 eval prompts
     .venv/bin/python bench/real_model_trl.py --steps 3 --skip-eval --trl-gradient-checkpointing   # TRL's memory default
+    .venv/bin/python bench/real_model_trl.py --eval-num-prompts 500 --record bench/results/real_model_trl_eval500.json
+                                                          # the same runs (read back), scored on all 500 test problems
 
 A run whose GNU time report exists is not run again (its records are read back); run directories are named by seed
 and step count under maxpost_runs/real_model_trl[_quick]/.
@@ -220,15 +223,15 @@ def timed_process(cmd: list[str], env: dict, time_file: Path, log_file: Path) ->
 
 def run_maxpost(settings: dict, out: Path) -> dict:
     name = settings["run_name"]
-    load0 = common.load_avg()
+    load0, ran = common.load_avg(), not (out / f"{name}.time").exists()   # read back: the load then is unknown here
     cost = rm.maxpost("rl", settings, out / f"{name}.time", out / f"{name}.log")
     steps = [r for r in rm.read_metrics(out / name) if r.get("kind") == "train"]
     times = [r["timing/step"] for r in steps]
     curve = [{"step": r["step"], "correctness": r.get("rewards/correctness/mean"), "reward": r["reward"],
               "mean_length": r.get("completions/mean_length"), "frac_reward_zero_std": r.get("frac_reward_zero_std"),
               "loss": r.get("loss"), "s": r["timing/step"]} for r in steps]
-    return {"train": cost, "load_avg_before": load0, "load_avg_after": common.load_avg(), "curve": curve,
-            **step_times(times), "dir": out / name}
+    return {"train": cost, "load_avg_before": load0 if ran else None, "load_avg_after": common.load_avg() if ran else None,
+            "curve": curve, **step_times(times), "dir": out / name}
 
 
 def run_trl(spec: dict, out: Path, name: str, omp_wait_policy: str) -> dict:
@@ -240,7 +243,7 @@ def run_trl(spec: dict, out: Path, name: str, omp_wait_policy: str) -> dict:
     env = common.thread_env()
     env["PYTHONPATH"] = common.TRL_SITE + os.pathsep + env["PYTHONPATH"]
     env["OMP_WAIT_POLICY"] = omp_wait_policy
-    load0 = common.load_avg()
+    load0, ran = common.load_avg(), not (out / f"{name}.time").exists()
     cost = timed_process([sys.executable, str(ROOT / "bench" / "real_model_trl.py"), "--worker", "trl",
                           "--spec", str(spec_path)], env, out / f"{name}.time", out / f"{name}.log")
     rec = json.loads((d / "trl_record.json").read_text())
@@ -248,8 +251,8 @@ def run_trl(spec: dict, out: Path, name: str, omp_wait_policy: str) -> dict:
     curve = [{"step": l["step"], "correctness": l.get("rewards/correctness/mean"), "reward": l["reward"],
               "mean_length": l.get("completions/mean_length"), "frac_reward_zero_std": l.get("frac_reward_zero_std"),
               "loss": l.get("loss"), "s": t} for l, t in zip(logs, rec["step_times"])]
-    return {"train": cost, "load_avg_before": load0, "load_avg_after": common.load_avg(), "curve": curve,
-            "args_used": rec["args_used"], "omp_wait_policy": omp_wait_policy, **step_times(rec["step_times"]), "dir": d / "hf"}
+    return {"train": cost, "load_avg_before": load0 if ran else None, "load_avg_after": common.load_avg() if ran else None,
+            "curve": curve, "args_used": rec["args_used"], "omp_wait_policy": omp_wait_policy, **step_times(rec["step_times"]), "dir": d / "hf"}
 
 
 def step_times(times: list[float]) -> dict:
@@ -309,6 +312,8 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=None, help="override the number of steps (default: real_model.py's)")
     p.add_argument("--quick", action="store_true", help="2 steps of 2 prompts x 4 completions, 8 eval prompts")
     p.add_argument("--skip-eval", action="store_true", help="train only (timing a few steps)")
+    p.add_argument("--eval-num-prompts", type=int, default=None,
+                   help="held-out problems each final model is scored on (default real_model.py's 128; the test split has 500)")
     p.add_argument("--omp-wait-policy", default=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), choices=["PASSIVE", "ACTIVE"],
                    help="OMP_WAIT_POLICY of TRL's worker (default PASSIVE: see the docstring's Threads)")
     p.add_argument("--trl-gradient-checkpointing", action="store_true",
@@ -321,9 +326,11 @@ def main(argv=None) -> dict:
     suffix = "_quick" if a.quick else ""
     out = (a.out or ROOT / "maxpost_runs" / f"real_model_trl{suffix}").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    record = a.record or ROOT / "bench" / "results" / (f"real_model_trl{suffix}" + (f"_steps{a.steps}" if a.steps else "")
+    record = a.record or ROOT / "bench" / "results" / (f"real_model_trl{suffix}" + (f"_seed{a.seed}" if a.seed else "")
+                                                      + (f"_steps{a.steps}" if a.steps else "")
                                                       + ("_gc" if a.trl_gradient_checkpointing else "") + ".json")
-    num_prompts = rm.QUICK_EVAL_NUM_PROMPTS if a.quick else rm.EVAL_NUM_PROMPTS
+    num_prompts = a.eval_num_prompts or (rm.QUICK_EVAL_NUM_PROMPTS if a.quick else rm.EVAL_NUM_PROMPTS)
+    tag = f"-{num_prompts}" if a.eval_num_prompts else ""   # evaluations of another size get their own directories
     base = rm.model_dir()
     settings = maxpost_settings(a.seed, out, base, a.quick, a.steps)
     steps = settings["steps"]
@@ -344,8 +351,8 @@ def main(argv=None) -> dict:
     t = run_trl(spec, out, trl_name, a.omp_wait_policy)
     print(f"TRL: {t['s_per_step']} s/step, first {t['first_step_s']} s, {t['train']}", flush=True)
     if not a.skip_eval:
-        m["after"] = rm.evaluate(m["dir"], settings["run_name"], out, num_prompts)
-        t["after"] = rm.evaluate(t["dir"], trl_name, out, num_prompts)
+        m["after"] = rm.evaluate(m["dir"], settings["run_name"] + tag, out, num_prompts)
+        t["after"] = rm.evaluate(t["dir"], trl_name + tag, out, num_prompts)
     m["dir"], t["dir"] = str(m["dir"]), str(t["dir"])
     rec |= {"maxpost": m, "trl": t, "comparison": compare(m, t), "host_load_avg_end": common.load_avg()}
     record.parent.mkdir(parents=True, exist_ok=True)
