@@ -16,7 +16,7 @@ from .config import DPOConfig, ConfigError
 from .sampling import left_pad, completion_logps
 from .sft_loss import LOGITS_CHUNK_SIZE
 from .preference_loss import preference_loss, sequence_logps, REFERENCE_FREE
-from .setup import embedded_task_dir, eval_source, check_held_out
+from .setup import prepare_embedded_task, eval_source, check_held_out
 from .evaluate import load_eval_examples, evaluate, eval_options
 from .train import Trainer, train_command, flops_per_token
 from .step import make_update_step, ReferencePolicy
@@ -126,7 +126,7 @@ def write_embedded_pairs(task_dir, *, seed: int = 0, hasty_error_rate: float = t
 # %% ../nbs/15b_dpo.ipynb
 def embedded_pairs(cfg: DPOConfig, split: str) -> tuple[str, str]:
     "`(file, split)` of the embedded task's pairs for `split`: its train pairs for the training split's name, else its test pairs (a slice carries over); written beside the task when missing or older than it."
-    paths = tasks.prepare_embedded(embedded_task_dir(cfg), seed=cfg.seed)
+    paths = prepare_embedded_task(cfg)
     name = split.split("[")[0]
     which = "train" if name == cfg.train_split.split("[")[0] else "test"
     task = Path(paths[which])

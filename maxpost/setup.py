@@ -20,9 +20,9 @@ from .checkpoint import checkpoint_manager, save_limit_gb, save_state, restore_s
 __all__ = ['INPUT_KEYS', 'split_devices', 'make_run_mesh', 'model_options', 'set_model_options', 'model_config_for', 'is_hf_dir',
            'find_run_checkpoint', 'read_model_config', 'load_policy', 'lora_options', 'attach_adapters',
            'check_lora_base', 'adapter_base', 'effective_config', 'lora_run_config', 'load_lora_run',
-           'embedded_task_dir', 'embedded_split', 'eval_source', 'check_held_out', 'tokenizer_dir', 'check_vocab',
-           'missing_inputs', 'check_inputs', 'Setup', 'setup_run', 'RunLocked', 'RunLock', 'as_scalar', 'read_metrics',
-           'MetricsLogger', 'split_base', 'run_command']
+           'embedded_task_dir', 'prepare_embedded_task', 'embedded_split', 'eval_source', 'check_held_out',
+           'tokenizer_dir', 'check_vocab', 'missing_inputs', 'check_inputs', 'Setup', 'setup_run', 'RunLocked',
+           'RunLock', 'as_scalar', 'read_metrics', 'MetricsLogger', 'split_base', 'run_command']
 
 # %% ../nbs/07b_setup.ipynb
 def split_devices(cfg: RunConfig) -> tuple[list, list]:
@@ -199,10 +199,19 @@ def embedded_task_dir(cfg: RunConfig) -> Path:
     "Where the embedded task and its tokenizer live for runs under `cfg.base_output_directory`."
     return Path(os.path.expanduser(cfg.base_output_directory)) / "embedded_task"
 
+def prepare_embedded_task(cfg: RunConfig) -> dict[str, str]:
+    "`tasks.prepare_embedded` into `embedded_task_dir(cfg)`, a failed write (full disk, no permission) as one `ConfigError` naming the directory."
+    d = embedded_task_dir(cfg)
+    try: return tasks.prepare_embedded(d, seed=cfg.seed)
+    except OSError as e:
+        raise ConfigError(f"could not write the embedded task (about 15 MB) into {d}: {e.strerror or e} "
+                          f"({e.filename or d}); free space there or set base_output_directory= to a writable "
+                          "directory with room") from None
+
 # %% ../nbs/07b_setup.ipynb
 def embedded_split(cfg: RunConfig, split: str, prefix: str = "") -> tuple[str, str]:
     "`(file, split)` of the embedded task for `split`: its train file for the training split's name, else its test file (a slice carries over); `prefix='sft_'` for the SFT conversations."
-    paths = tasks.prepare_embedded(embedded_task_dir(cfg), seed=cfg.seed)
+    paths = prepare_embedded_task(cfg)
     name = split.split("[")[0]
     which = "train" if name == getattr(cfg, "train_split", "train").split("[")[0] else "test"
     return str(paths[prefix + which]), "train" + split[len(name):]
@@ -289,7 +298,7 @@ def setup_run(cfg: RunConfig) -> Setup:
     from maxpost.data import load_tokenizer
     check_inputs(cfg)
     mesh = make_run_mesh(cfg)
-    default = None if cfg.dataset_name else tasks.prepare_embedded(embedded_task_dir(cfg), seed=cfg.seed)["tokenizer"]
+    default = None if cfg.dataset_name else prepare_embedded_task(cfg)["tokenizer"]
     tok_dir = tokenizer_dir(cfg, default)
     tokenizer = load_tokenizer(tok_dir)
     model = load_policy(cfg, mesh)

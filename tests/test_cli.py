@@ -96,6 +96,24 @@ def test_unsupported_or_truncated_weights_are_one_line_exit_2(tmp_path):
     assert f"load_parameters_path='{hf}'" in line and "it may be truncated" in line, line
 
 
+def test_no_room_for_the_embedded_task_is_one_line_exit_2(tmp_path):
+    """A disk too full for the embedded task (~15 MB, written on a run's first start): here a 1 MB limit on file size
+    (RLIMIT_FSIZE, so a write fails with EFBIG as on a full disk it fails with ENOSPC). sft and dpo (whose pairs sit
+    beside it) print one line that names the directory and the fix, exit 2, no traceback (it was a 34-line OSError traceback and exit 1)."""
+    import resource, signal
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+    code = "import sys\nfrom maxpost.cli import main\nsys.exit(main(sys.argv[1:]))"
+    for command, *extra in (("sft",), ("dpo", "load_parameters_path=")):   # dpo from a random start: no SFT run needed
+        out = tmp_path / command
+        r = subprocess.run([sys.executable, "-c", code, command, f"base_output_directory={out}", *extra], capture_output=True,
+                           text=True, cwd=ROOT, env=ENV, timeout=600, preexec_fn=limited)
+        line = one_line_error(r)
+        assert f"could not write the embedded task (about 15 MB) into {out / 'embedded_task'}" in line, line
+        assert "set base_output_directory=" in line, line
+
+
 def test_a_truncated_adapter_is_one_line_exit_2(tmp_path):
     "issue 31, item 2: a peft adapter whose safetensors stops half-way, through load_adapter_path."
     from maxpost.model import create_model, get_model_config
