@@ -11,14 +11,15 @@ from typing import Any, Callable
 import jax, jax.numpy as jnp
 from flax import nnx
 
-from .config import RLConfig
+from .config import ConfigError, register_kind, run_dir
 from . import sharding
-from .setup import split_devices
-from .train import train_command
-from .rl import RLTrainer, SamplerEngine
+from .policy import Setup, setup_run
+from .train import precheck_run_dir, train_command
+from .evaluate import held_out_table
+from .rl import RLConfig, RLTrainer, SamplerEngine
 
 # %% auto 0
-__all__ = ['RolloutProducer', 'AsyncRLTrainer', 'train_async_rl', 'main']
+__all__ = ['KIND', 'RolloutProducer', 'split_devices', 'AsyncRLTrainer', 'train_async_rl', 'main']
 
 # %% ../nbs/15c_async.ipynb
 class RolloutProducer:
@@ -70,12 +71,28 @@ class RolloutProducer:
         self.stopping.set(); self.thread.join()
 
 # %% ../nbs/15c_async.ipynb
+def split_devices(cfg: RLConfig) -> tuple[list, list]:
+    "The trainer's devices and the rollouts' own: the last `rollout_devices` (0: none, the trainer has all)."
+    devices, r = jax.devices(), cfg.rollout_devices
+    if not r: return list(devices), []
+    if jax.process_count() > 1:
+        raise ConfigError(f"rollout_devices={r} splits one process's devices; with {jax.process_count()} processes "
+                          "set rollout_devices=0 (the rollouts share the trainer's devices)")
+    if r >= len(devices):
+        raise ConfigError(f"rollout_devices={r} leaves the trainer none of the {len(devices)} devices; set it below "
+                          f"{len(devices)} (0 = the rollouts share the trainer's devices)")
+    return list(devices[:-r]), list(devices[-r:])
+
+# %% ../nbs/15c_async.ipynb
 class AsyncRLTrainer(RLTrainer):
     "`RLTrainer` whose rollouts come from a `RolloutProducer` thread when `max_staleness` > 0 (k = 0: `RLTrainer.train_step` itself)."
     asynchronous = True
 
-    def __init__(self, cfg: RLConfig, **kw):
-        super().__init__(cfg, **kw)
+    def __init__(self, cfg: RLConfig, setup: Setup | None = None, **kw):
+        if setup is None:   # the trainer's mesh leaves out the rollouts' devices
+            precheck_run_dir(cfg)                     # a refused resume fails before anything loads
+            setup = setup_run(cfg, devices=split_devices(cfg)[0])
+        super().__init__(cfg, setup, **kw)
         self.producer, self.consumed_data_state, self.rollout_rest = None, None, None
         _, devices = split_devices(cfg)   # the trainer's mesh (self.mesh) holds the others
         self.rollout_mesh = sharding.make_mesh(data=len(devices), fsdp=1, devices=devices) if devices else self.mesh
@@ -124,10 +141,14 @@ class AsyncRLTrainer(RLTrainer):
         if self.producer is not None: self.producer.close(); self.producer = None
         super().close()
 
+# %% ../nbs/15c_async.ipynb
 def train_async_rl(cfg: RLConfig, *, progress: bool = True, reward_fns=None) -> dict:
     "Run (or resume) RL as configured, rollouts overlapped with updates when `max_staleness` > 0; returns the final metrics."
     return AsyncRLTrainer(cfg, reward_fns=reward_fns).fit(progress=progress)
 
 def main(argv=None) -> int:
-    "`maxpost rl [base.yml] key=value ...`"
-    return train_command("rl", train_async_rl, argv)
+    "`maxpost rl [base.yml] key=value ...`: the run, then its held-out table from the first evaluation to the last."
+    return train_command("rl", argv, report=lambda cfg, out: [held_out_table(run_dir(cfg))])
+
+KIND = register_kind("rl", RLConfig, main, "GRPO / GSPO from an SFT or Hugging Face checkpoint (base: configs/rl.yml)",
+                     trainer=AsyncRLTrainer)

@@ -7,11 +7,12 @@ from __future__ import annotations
 from functools import partial
 from typing import NamedTuple
 import jax, jax.numpy as jnp
+from .config import ATTENTION_IMPLEMENTATIONS   # the words of the `attention` key (chapter 00_config)
 from .sharding import active_mesh, logical_spec
 
 # %% auto 0
-__all__ = ['NEG_INF', 'ATTENTION_IMPLEMENTATIONS', 'Spans', 'attention_mask', 'zero_of', 'plus_zero', 'after', 'block_sizes',
-           'blockwise_attention', 'attention_implementation', 'attend', 'attend_step']
+__all__ = ['NEG_INF', 'Spans', 'attention_mask', 'zero_of', 'plus_zero', 'after', 'block_sizes', 'blockwise_attention',
+           'attention_implementation', 'attend', 'attend_step']
 
 # %% ../nbs/01b_attention.ipynb
 class Spans(NamedTuple):
@@ -213,8 +214,6 @@ def blockwise_attention(q_btnh, k_bkhs, v_bksh, spans: Spans, scale: float, *, w
     return _flash(q_btnh, k_bkhs, v_bksh, spans, float(scale), window, causal, bq, bk)
 
 # %% ../nbs/01b_attention.ipynb
-ATTENTION_IMPLEMENTATIONS = ("auto", "blockwise", "cudnn", "splash")   # auto: cudnn on GPU, splash on TPU, else blockwise
-
 def attention_implementation(choice: str = "auto", platform: str | None = None) -> str:
     "The kernel `choice` names on `platform` (default: JAX's default backend): `auto` is cudnn on a GPU, splash on a TPU, blockwise elsewhere."
     if choice not in ATTENTION_IMPLEMENTATIONS + ("xla",):

@@ -4,76 +4,57 @@
 
 # %% ../nbs/17_cli.ipynb 3
 from __future__ import annotations
-import argparse, importlib, os, sys
+import argparse, importlib, os, re, sys
+from pathlib import Path
 from typing import Optional, Sequence
 
+from . import config as _config
+from .config import ConfigError, KINDS, describe_keys, load_config, split_base, to_yaml
+from .rundir import RunLocked
+from .checkpoint import CheckpointError
+from .train import RunStopped
+from .convert import convert_main
+
 # %% auto 0
-__all__ = ['COMMANDS', 'EXIT_CODES', 'command_help', 'show_config', 'held_out_after_sft', 'sft_main', 'exit_code',
-           'quiet_libraries', 'main']
+__all__ = ['EXIT_CODES', 'kind_modules', 'load_kinds', 'commands', 'command_help', 'show_config', 'exit_code', 'quiet_libraries',
+           'main']
 
 # %% ../nbs/17_cli.ipynb
-COMMANDS = {
-    "sft": ("maxpost.cli:sft_main", "supervised fine-tuning (base: configs/sft.yml; default: the embedded task)"),
-    "rl": ("maxpost.async_rl:main", "GRPO / GSPO from an SFT or Hugging Face checkpoint (base: configs/rl.yml)"),
-    "dpo": ("maxpost.dpo:main", "DPO / IPO / hinge / ORPO / SimPO from preference pairs (base: configs/dpo.yml)"),
-    "eval": ("maxpost.evaluate:main", "pass@1, pass@k, maj@k and format rate of a checkpoint (base: configs/eval.yml)"),
-    "convert": ("maxpost.convert:convert_main", "Hugging Face / maxpost / MaxText checkpoints, either way"),
-    "config": ("maxpost.cli:show_config", "print the resolved configuration of `sft`, `rl`, `dpo` or `eval` with overrides applied"),
-}
+def kind_modules(package: Path = Path(_config.__file__).parent) -> list[str]:
+    "The modules of the package that declare a kind: a line that starts `KIND = register_kind(`. Read, not imported, so a new kind is one module and nothing here names it."
+    return sorted(f.stem for f in package.glob("*.py") if re.search(r"^KIND = register_kind\(", f.read_text(), re.M))
+
+def load_kinds() -> dict:
+    "Import every kind module once (each registers itself in `KINDS`) and return `KINDS`."
+    for m in kind_modules(): importlib.import_module(f"{__package__ or 'maxpost'}.{m}")
+    return KINDS
+
+def commands() -> dict:
+    "Every command: `name -> (main(argv) -> int, one line of help)`, the registered kinds first, by name."
+    kinds = {k.name: (k.main, k.help) for k in sorted(load_kinds().values(), key=lambda k: k.name)}
+    return {**kinds, "convert": (convert_main, "Hugging Face / maxpost / MaxText checkpoints, either way"),
+            "config": (show_config, f"print the resolved configuration of {', '.join(f'`{k}`' for k in kinds)} with overrides applied")}
 
 # %% ../nbs/17_cli.ipynb
 _HELP_FLAGS = ("-h", "--help")
 
 def command_help(command: str) -> str:
-    "What `maxpost COMMAND --help` prints: the usage, then every key of the command's config class (`describe_keys`)."
-    from maxpost.config import CONFIG_CLASSES, describe_keys, default_base
-    cls, base = CONFIG_CLASSES[command], default_base(command)
-    return (f"usage: maxpost {command} [base.yml] key=value ...\n\n{COMMANDS[command][1]}.\n"
-            f"The base is {base or 'the defaults below'} unless a *.yml file comes first; each key=value overrides it "
-            f"(see the result with `maxpost config {command} ...`).\n\nkeys ({cls.__name__}):\n{describe_keys(cls)}\n")
+    "What `maxpost COMMAND --help` prints: the usage, then every key of the kind's config class (`describe_keys`)."
+    kind = load_kinds()[command]
+    return (f"usage: maxpost {command} [base.yml] key=value ...\n\n{kind.help}.\n"
+            f"The base is {f'configs/{kind.base.name}' if kind.base else 'the defaults below'} unless a *.yml file comes first; each key=value overrides it "
+            f"(see the result with `maxpost config {command} ...`).\n\nkeys ({kind.config.__name__}):\n{describe_keys(kind.config)}\n")
 
 def show_config(argv: Sequence[str]) -> int:
-    "`maxpost config sft|rl|eval [base.yml] key=value ...`: print the config a command would use, each key's help as a comment."
-    from maxpost.config import load_config, to_yaml, CONFIG_CLASSES
-    from maxpost.setup import split_base
-    usage = f"usage: maxpost config {{{','.join(CONFIG_CLASSES)}}} [base.yml] key=value ..."
+    "`maxpost config <kind> [base.yml] key=value ...`: print the config a command would use, each key's help as a comment."
+    usage = f"usage: maxpost config {{{','.join(sorted(load_kinds()))}}} [base.yml] key=value ..."
     if argv and argv[0] in _HELP_FLAGS:
         print(f"{usage}\n\nPrints the configuration the command would run with; `maxpost <command> --help` lists the keys.")
         return 0
-    if not argv or argv[0] not in CONFIG_CLASSES: print(usage, file=sys.stderr); return 2
+    if not argv or argv[0] not in KINDS: print(usage, file=sys.stderr); return 2
     if any(a in _HELP_FLAGS for a in argv[1:]): print(command_help(argv[0]), end=""); return 0
     base, overrides = split_base(argv[1:])
     print(to_yaml(load_config(argv[0], overrides, base=base), comments=True), end="")
-    return 0
-
-# %% ../nbs/17_cli.ipynb
-def held_out_after_sft(cfg) -> dict | None:
-    "Greedy pass@1 and format rate of an SFT run's final policy on its first `eval_num_prompts` held-out problems, by `maxpost eval`'s code and defaults (the record lands in `eval-<run_name>` beside the run); None, with the reason on stderr, when `eval_num_prompts` is 0 or the held-out rows have no question and answer."
-    import dataclasses
-    from maxpost.config import ConfigError, QAConfig, load_config, run_dir
-    from maxpost.evaluate import load_eval_examples, run_evaluation
-    if not cfg.eval_num_prompts: return None
-    shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(QAConfig)      # model, mesh, data, columns
-              if f.name not in ("run_name", "load_parameters_path")}
-    ecfg = dataclasses.replace(load_config("eval"), **shared, load_parameters_path=str(run_dir(cfg)), run_name="",
-                               eval_num_prompts=cfg.eval_num_prompts, eval_k=0)
-    try: load_eval_examples(ecfg)
-    except ConfigError as e:
-        print(f"no held-out pass@1 after SFT ({e}); eval_num_prompts=0 skips this check", file=sys.stderr)
-        return None
-    return run_evaluation(ecfg)
-
-def sft_main(argv=None) -> int:
-    "`maxpost sft [base.yml] key=value ...`: train (`maxpost.sft`), then greedy pass@1 on held-out problems (`held_out_after_sft`), then the summary."
-    from maxpost.setup import run_command
-    from maxpost.sft import train_sft
-    from maxpost.train import print_summary
-    cfg, out = run_command("sft", train_sft, argv)
-    res = held_out_after_sft(cfg)
-    if res: out |= {"held_out_pass@1": res["pass@1"], "held_out_format_rate": res["format_rate"]}
-    print_summary(out, cfg)
-    if res: print(f"held-out ({res['num_prompts']} problems) after SFT: pass@1 {100 * res['pass@1']:.1f} %, "
-                  f"format rate {100 * res['format_rate']:.1f} %")
     return 0
 
 # %% ../nbs/17_cli.ipynb
@@ -83,10 +64,6 @@ EXIT_CODES = {0: "finished", 1: "an unexpected error", 2: "a configuration or in
 
 def exit_code(e: BaseException) -> int | None:
     "The exit code of a run that ended with `e`, or None when `e` is not one a run reports (then: traceback, 1)."
-    from maxpost.config import ConfigError
-    from maxpost.setup import RunLocked
-    from maxpost.train import RunStopped
-    from maxpost.checkpoint import CheckpointError
     if isinstance(e, RunStopped): return e.exit_code
     for cls, code in ((ConfigError, 2), (FloatingPointError, 3), (RunLocked, 4), (CheckpointError, 5)):
         if isinstance(e, cls): return code
@@ -103,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
                                 epilog="Each command takes [base.yml] key=value ...; see `maxpost config sft`. Exit codes: "
                                        + "; ".join(f"{'128+N' if k == 128 else k} {v}" for k, v in EXIT_CODES.items()))
     sub = p.add_subparsers(dest="command", metavar="command")
-    for name, (_, help_) in COMMANDS.items():
+    for name, (_, help_) in commands().items():
         sub.add_parser(name, help=help_, add_help=False).add_argument("args", nargs=argparse.REMAINDER)
     return p
 
@@ -114,13 +91,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = _parser()
     if not argv or argv[0] in ("-h", "--help"):
         p.print_help(); return 0 if argv else 2
-    if argv[0] not in COMMANDS:
-        p.error(f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
-    from maxpost.config import CONFIG_CLASSES
-    if argv[0] in CONFIG_CLASSES and any(a in _HELP_FLAGS for a in argv[1:]):
+    if argv[0] not in commands():
+        p.error(f"unknown command {argv[0]!r}; choose from {', '.join(commands())}")
+    if argv[0] in KINDS and any(a in _HELP_FLAGS for a in argv[1:]):
         print(command_help(argv[0]), end=""); return 0
-    mod, fn = COMMANDS[argv[0]][0].split(":")
-    try: return int(getattr(importlib.import_module(mod), fn)(argv[1:]) or 0)
+    try: return int(commands()[argv[0]][0](argv[1:]) or 0)
     except Exception as e:
         code = exit_code(e)
         if code is None: raise

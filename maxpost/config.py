@@ -4,30 +4,36 @@
 
 # %% ../nbs/00_config.ipynb 3
 from __future__ import annotations
-import difflib, importlib, os
+import difflib, json, os
 from dataclasses import dataclass, field, fields, MISSING as _NO_DEFAULT
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from omegaconf import OmegaConf, MISSING
 from omegaconf.errors import OmegaConfBaseException
 import yaml
 
 # %% auto 0
-__all__ = ['DTYPES', 'CONFIG_CLASSES', 'LORA_TARGETS', 'ALL_LINEAR', 'CONFIG_DIR', 'key', 'resumable_keys', 'RunConfig',
-           'QAConfig', 'GenerationConfig', 'TrainConfig', 'SFTConfig', 'RLConfig', 'EvalConfig', 'DPOConfig', 'choices',
-           'value_problems', 'check_run_name', 'parse_target_modules', 'target_modules_problem', 'ConfigError',
-           'validate', 'derived_defaults', 'default_base', 'parse_overrides', 'load_config', 'run_dir', 'to_yaml',
-           'describe_keys']
+__all__ = ['DTYPES', 'ATTENTION_IMPLEMENTATIONS', 'REMAT_POLICIES', 'REMAT_CHOICES', 'LR_SCHEDULES', 'KINDS', 'LORA_TARGETS',
+           'ALL_LINEAR', 'CONFIG_DIR', 'key', 'resumable_keys', 'RunConfig', 'QAConfig', 'GenerationConfig',
+           'TrainConfig', 'Kind', 'register_kind', 'kind_of', 'choices', 'value_problems', 'check_run_name',
+           'parse_target_modules', 'target_modules_problem', 'ConfigError', 'validate', 'derived_defaults',
+           'default_base', 'parse_overrides', 'load_config', 'run_dir', 'to_yaml', 'describe_keys', 'effective_config',
+           'split_base', 'eval_source']
 
 # %% ../nbs/00_config.ipynb
 DTYPES = ("float32", "bfloat16")
+ATTENTION_IMPLEMENTATIONS = ("auto", "blockwise", "cudnn", "splash")   # 01b_attention; auto: cudnn on GPU, splash on TPU, else blockwise
+REMAT_POLICIES = ("none", "minimal", "full")   # 02_model, in order of memory, most first: each keeps less and recomputes more
+REMAT_CHOICES = ("auto", *REMAT_POLICIES)      # what a config may say: auto = the cheapest policy that fits (08_train)
+LR_SCHEDULES = ("cosine", "linear", "constant")   # 08_train
 
+# %% ../nbs/00_config.ipynb
 def key(default: Any = MISSING, *, factory=None, positive: bool = False, non_negative: bool = False,
-        interval: str | None = None, choices: Sequence[str] | str | None = None, resumable: bool = False, help: str = ""):
+        interval: str | None = None, choices: Sequence[str] | None = None, resumable: bool = False, help: str = ""):
     """A config field: its `default` (or a `factory` of it, for a list or dict), and in its metadata what `validate`
     checks, whether a resume may change it and one line of `help` for `--help`. `interval` is written as in maths,
-    "(0, 1]"; `choices` is the words, or "module:NAME" of the code that owns them."""
+    "(0, 1]"; `choices` is the tuple of valid words, the object of the code that interprets them."""
     meta = dict(positive=positive, non_negative=non_negative, interval=interval, choices=choices, resumable=resumable,
                 help=help)
     meta = {k: v for k, v in meta.items() if v}
@@ -53,7 +59,7 @@ class RunConfig:
         help="a directory with tokenizer.json / tokenizer_config.json; \"\" = the one saved with the weights")
     dtype: str = key("float32", choices=DTYPES, help="compute dtype")
     param_dtype: str = key("float32", choices=DTYPES, help="dtype the weights are kept in")
-    attention: str = key("auto", choices="maxpost.model:ATTENTION_IMPLEMENTATIONS", resumable=True,
+    attention: str = key("auto", choices=ATTENTION_IMPLEMENTATIONS, resumable=True,
         help="the attention kernel; auto = cudnn on GPU, splash on TPU, else blockwise")
     data_parallelism: int = key(1, resumable=True,
         help="mesh axis size for data parallelism; -1 = all remaining devices")
@@ -126,7 +132,7 @@ class TrainConfig(RunConfig):
     gradient_accumulation_steps: int = key(1, positive=True, resumable=True,
         help="micro-batches per optimizer step: less memory, the same gradient")
     learning_rate: float = key(3e-4, positive=True, resumable=True, help="peak learning rate")
-    lr_schedule: str = key("cosine", choices="maxpost.train:LR_SCHEDULES", resumable=True,
+    lr_schedule: str = key("cosine", choices=LR_SCHEDULES, resumable=True,
         help="the learning-rate schedule after warmup")
     warmup_steps: int = key(10, non_negative=True, resumable=True, help="steps of linear warmup from 0")
     weight_decay: float = key(0.0, non_negative=True, resumable=True, help="AdamW weight decay")
@@ -134,7 +140,7 @@ class TrainConfig(RunConfig):
     adam_b2: float = key(0.999, interval="[0, 1)", resumable=True, help="Adam's second-moment decay")
     max_grad_norm: float = key(1.0, positive=True, resumable=True, help="clip the gradient to this global norm")
     # memory
-    remat_policy: str = key("auto", choices="maxpost.train:REMAT_CHOICES", resumable=True,
+    remat_policy: str = key("auto", choices=REMAT_CHOICES, resumable=True,
         help="what the backward recomputes; auto = the cheapest policy that fits the device")
     logits_chunk_size: int = key(1024, non_negative=True, resumable=True,
         help="tokens per chunk of the output layer + loss; 0 = the whole [B,T,V] logits")
@@ -179,182 +185,41 @@ class TrainConfig(RunConfig):
         return out
 
 # %% ../nbs/00_config.ipynb
-@dataclass
-class SFTConfig(TrainConfig, QAConfig):
-    "Supervised fine-tuning."
-    data_format: str = key("auto", choices="maxpost.data:DATA_FORMATS",
-        help="how rows become conversations; auto = detect from the columns")
-    messages_column: str = key("messages", help="the column of chat messages (data_format=messages)")
-    prompt_column: str = key("prompt", help="the prompt column (data_format=prompt_completion)")
-    completion_column: str = key("completion", help="the completion column (data_format=prompt_completion)")
-    text_column: str = key("text", help="the text column (data_format=text)")
-    train_on: str = key("auto", choices="maxpost.data:TRAIN_ON",
-        help="which tokens the loss counts: auto = the assistant / completion tokens, all = every token")
-    max_target_length: int = key(256, positive=True,
-        help="tokens per example (longer ones are truncated) and per packed row")
-    max_dropped_share: float = key(0.5, interval="[0, 1]",
-        help="stop when more of the data is dropped (no target left after truncation)")
-    packing: bool = key(True, help="pack several examples into one row")
-    z_loss: float = key(0.0, non_negative=True, help="weight of the z-loss (log of the softmax normaliser squared)")
-    eval_batches: int = key(4, positive=True, resumable=True, help="held-out batches per evaluation")
-    eval_num_prompts: int = key(128, non_negative=True, resumable=True,
-        help="held-out problems for greedy pass@1 after the last step (`maxpost sft`, when the held-out rows have "
-             "question and answer columns); 0 = none")
+@dataclass(frozen=True)
+class Kind:
+    "A kind of run: its `name` (the command), `config` class, command `main(argv) -> exit code`, one line of `help`, and its `trainer` class when it trains."
+    name: str
+    config: type
+    main: Callable[..., int]
+    help: str
+    trainer: Optional[type] = None
+
+    @property
+    def base(self) -> Optional[Path]:
+        "Its YAML base `configs/{name}.yml`, if the checkout has one."
+        return default_base(self.name)
+
+KINDS: dict[str, Kind] = {}   # name -> Kind, in the order the kinds' chapters registered them
+
+def register_kind(name: str, config: type, main: Callable[..., int], help: str, trainer: Optional[type] = None) -> Kind:
+    "Declare a kind of run (each kind's chapter, once); returns it. A second declaration of a name replaces the first."
+    KINDS[name] = k = Kind(name, config, main, help, trainer)
+    return k
+
+def kind_of(kind: str | Kind) -> Kind:
+    "The registered `Kind` of that name (a `Kind` is returned as it is)."
+    if isinstance(kind, Kind): return kind
+    if kind not in KINDS:
+        raise KeyError(f"no kind {kind!r} is registered (registered: {', '.join(KINDS) or 'none'}); a kind registers "
+                       "when its module is imported, e.g. `import maxpost.sft`, and `maxpost.cli.load_kinds()` imports them all")
+    return KINDS[kind]
 
 # %% ../nbs/00_config.ipynb
-@dataclass
-class RLConfig(TrainConfig, GenerationConfig):
-    "Reinforcement learning with group-relative policy optimisation (GRPO, GSPO)."
-    num_generations: int = key(8, positive=True,
-        help="completions per prompt (G), the group of group-relative advantages")
-    loss_algo: str = key("grpo", choices="maxpost.policy_loss:LOSS_ALGOS",
-        help="token-level (grpo) or sequence-level (gspo, gspo-token) importance ratios")
-    epsilon_low: Optional[float] = key(None, non_negative=True,
-        help="lower clip of the ratio; null = the algorithm's (grpo 0.2, gspo 3e-4)")
-    epsilon_high: Optional[float] = key(None, non_negative=True,
-        help="upper clip of the ratio; null = the algorithm's (grpo 0.28, gspo 4e-4)")
-    beta: float = key(0.0, non_negative=True,
-        help="weight of the KL penalty to the reference policy; 0 = no reference model")
-    kl_estimator: str = key("k3", choices="maxpost.policy_loss:KL_ESTIMATORS",
-        help="the estimator of the KL penalty (beta > 0)")
-    loss_agg_mode: Optional[str] = key(None, choices="maxpost.policy_loss:LOSS_AGG_CHOICES",
-        help="how token losses are averaged; null = the algorithm's (gspo: sequence-mean-token-mean, else token-mean)")
-    advantage_scale: str = key("group", choices="maxpost.advantages:SCALES",
-        help="what the group-relative advantage is divided by: the group's std, the batch's, or nothing")
-    num_iterations: int = key(1, positive=True, help="mu: optimizer passes over each rollout batch")
-    mini_batch_size: int = key(0, non_negative=True,
-        help="rows per optimizer step within a rollout batch (whole groups); 0 = all")
-    reward_functions: list[str] = key(factory=lambda: ["correctness", "format"],
-        help="reward functions by name (correctness, format, ...) or module:function")
-    reward_weights: list[float] = key(factory=lambda: [1.0, 0.1], help="one weight per reward function")
-    reward_timeout_s: float = key(10.0, positive=True, resumable=True,
-        help="a reward call past it scores 0 (its worker process is restarted)")
-    reward_isolation: str = key("process", choices="maxpost.rewards:REWARD_ISOLATION",
-        help="process: a worker process per function (a timeout stops it); thread: in this process")
-    rollout_engine: str = key("maxpost", choices="maxpost.rl:ROLLOUT_ENGINES",
-        help="the sampler of the rollouts: maxpost's own, or vLLM")
-    importance_sampling_mode: Optional[str] = key(None, choices="maxpost.sampler_correction:IMPORTANCE_SAMPLING_MODES",
-        help="weights pi_trainer / pi_sampler correcting for the sampler (chapter 12c), per token or sequence, truncated "
-             "or masked; null = sequence_mask with vLLM, none with maxpost's sampler (the trainer's weights and dtype), "
-             "token_truncate with max_staleness > 0 (older weights)")
-    importance_sampling_clip_max: Optional[float] = key(3.0, positive=True,
-        help="C_max of the correction: *_truncate lowers a weight to it, *_mask drops a weight above it; null = no bound")
-    importance_sampling_clip_min: Optional[float] = key(None, non_negative=True,
-        help="C_min of the correction: *_truncate raises a weight to it, *_mask drops a weight below it; null = no bound")
-    max_staleness: int = key(0, non_negative=True,
-        help="k: rollouts run in a background thread while the trainer updates, each with a weight snapshot at most k "
-             "steps older than the trained policy (older ones are dropped; chapter 15c); 0 = the synchronous loop; k > 0 "
-             "makes the default importance_sampling_mode token_truncate (pi_prox recomputed by the trainer)")
-    rollout_devices: int = key(0, non_negative=True,
-        help="with max_staleness > 0, devices of the rollouts' own: the last rollout_devices devices hold a "
-             "data-parallel copy of the policy that samples, the trainer's mesh the others (Tunix's role_to_mesh, "
-             "MaxText's sampler_devices_fraction); 0 = the rollouts share the trainer's devices")
-    weight_sync_steps: int = key(1, positive=True,
-        help="with max_staleness > 0, publish the trainer's weights to the rollouts every this many updates (TRL's "
-             "weight_sync_steps); at most max_staleness, or every rollout of the older weights would be dropped")
-
-    def batch_problems(self) -> list[str]:
-        "Groups, mini-batches of whole groups, micro-batches of whole groups (instead of `TrainConfig`'s split)."
-        out, G, B, A = [], self.num_generations, self.global_batch_size, self.gradient_accumulation_steps
-        if G == 1: out.append("num_generations=1 makes every group-relative advantage 0 (a group of one is its own "
-                              "mean), so nothing is learned; use num_generations >= 2")
-        if G > 0 and B % G: out.append(f"global_batch_size={B} must be a multiple of num_generations={G} (each prompt "
-                                       "gets num_generations completions)")
-        mb = self.mini_batch_size or B
-        if G > 0 and self.mini_batch_size and (mb % G or B % mb):   # 0 = the whole batch: the check above
-            out.append(f"mini_batch_size={mb} must be whole groups (a multiple of num_generations={G}) that divide "
-                       f"global_batch_size={B}; mini_batch_size=0 updates on the whole batch at once")
-        elif G > 0 and mb and A and (mb // G) % A:
-            out.append(f"gradient_accumulation_steps={A} must divide the {mb // G} groups "
-                       "of a mini-batch (each micro-batch holds whole groups)")
-        return out
-
-    @classmethod
-    def defaults_from(cls, values: dict) -> dict:
-        "The defaults that `None` stands for: `epsilon_low`, `epsilon_high` (`maxpost.rl.DEFAULT_EPSILONS`) and `loss_agg_mode` of `values['loss_algo']`; `importance_sampling_mode` of `values['rollout_engine']` and `values['max_staleness']` (`maxpost.rl.default_importance_sampling`)."
-        rl, out = importlib.import_module("maxpost.rl"), {}
-        if values.get("rollout_engine") in rl.DEFAULT_IMPORTANCE_SAMPLING:   # a wrong word: validate names it
-            k = values.get("max_staleness")
-            out["importance_sampling_mode"] = rl.default_importance_sampling(values["rollout_engine"],
-                                                                             k if isinstance(k, int) else 0)
-        if values.get("loss_algo") not in rl.DEFAULT_EPSILONS: return out
-        low, high = rl.DEFAULT_EPSILONS[values["loss_algo"]]
-        agg = "sequence-mean-token-mean" if values["loss_algo"] == "gspo" else "token-mean"
-        return out | dict(epsilon_low=low, epsilon_high=high, loss_agg_mode=agg)
-
-    def problems(self) -> list[str]:
-        "`TrainConfig`'s problems (with the group checks), one weight per reward function, and bounds of the sampler correction that make sense."
-        out = super().problems()
-        if len(self.reward_functions) != len(self.reward_weights):
-            out.append(f"reward_functions has {len(self.reward_functions)} entries but reward_weights has "
-                       f"{len(self.reward_weights)}; give one weight per function")
-        lo, hi, mode = self.importance_sampling_clip_min, self.importance_sampling_clip_max, self.importance_sampling_mode
-        if lo is not None and hi is not None and lo >= hi:
-            out.append(f"importance_sampling_clip_min={lo} must be below importance_sampling_clip_max={hi}")
-        if mode in ("token_truncate", "sequence_truncate") and lo is None and hi is None:
-            out.append(f"importance_sampling_mode={mode} truncates the weights to [clip_min, clip_max] but both are null; "
-                       "set importance_sampling_clip_max (TRL's default is 3.0) or importance_sampling_clip_min")
-        if self.rollout_devices and self.rollout_engine != "maxpost":
-            out.append(f"rollout_devices={self.rollout_devices} places maxpost's own sampler; {self.rollout_engine} "
-                       "manages its own device memory (gpu_memory_utilization): set rollout_devices=0")
-        if self.rollout_devices and not self.max_staleness:
-            out.append(f"rollout_devices={self.rollout_devices} gives the rollouts devices of their own, which only "
-                       "pays when they run beside the update: set max_staleness >= 1, or rollout_devices=0")
-        if self.weight_sync_steps > max(self.max_staleness, 1):
-            out.append(f"weight_sync_steps={self.weight_sync_steps} publishes weights more than max_staleness="
-                       f"{self.max_staleness} versions apart, so rollouts would lag more than max_staleness and be "
-                       f"dropped; set max_staleness >= {self.weight_sync_steps} or a smaller weight_sync_steps")
-        return out
-
-# %% ../nbs/00_config.ipynb
-@dataclass
-class EvalConfig(GenerationConfig):
-    "Evaluating a checkpoint: pass@1, pass@k, maj@k and format rate on held-out prompts."
-    run_name: str = key("", help="the evaluation's directory name; \"\" = eval-<checkpoint>, next to the runs")
-
-
-CONFIG_CLASSES = {"sft": SFTConfig, "rl": RLConfig, "eval": EvalConfig}   # the command -> its config class
-
-# %% ../nbs/00_config.ipynb
-@dataclass
-class DPOConfig(TrainConfig, GenerationConfig):
-    "Preference optimisation from pairs of a chosen and a rejected reply: DPO (sigmoid), IPO, hinge, ORPO, SimPO."
-    loss_type: str = key("sigmoid", choices="maxpost.preference_loss:LOSS_TYPES",
-        help="the preference loss: sigmoid (DPO), ipo, hinge, orpo or simpo (chapter 12b)")
-    beta: float = key(0.1, positive=True, help="the strength of the tie to the reference (SimPO: the reward scale)")
-    label_smoothing: float = key(0.0, interval="[0, 0.5)",
-        help="the share of preference labels taken to be flipped (sigmoid and simpo only)")
-    lambda_orpo: float = key(0.1, non_negative=True, help="ORPO: the weight of the odds-ratio term beside the chosen NLL")
-    simpo_gamma: float = key(0.5, non_negative=True, help="SimPO: the target reward margin")
-    precompute_ref_log_probs: bool = key(False,
-        help="compute the reference's log-probs of every pair once, before training, and keep no reference model")
-    prompt_column: str = key("prompt", help="the prompt column; without one, the prompt is what chosen and rejected share")
-    chosen_column: str = key("chosen", help="the preferred reply (a string or a conversation)")
-    rejected_column: str = key("rejected", help="the dispreferred reply (a string or a conversation)")
-    eval_batches: int = key(4, positive=True, resumable=True, help="held-out batches of pairs for the preference loss")
-
-    def problems(self) -> list[str]:
-        "`TrainConfig`'s problems, and keys that the chosen `loss_type` would ignore."
-        out = super().problems()
-        if self.label_smoothing and self.loss_type not in ("sigmoid", "simpo"):
-            out.append(f"label_smoothing={self.label_smoothing} has no effect with loss_type={self.loss_type!r} (it "
-                       "smooths the sigmoid of DPO and SimPO); set label_smoothing=0")
-        return out
-
-
-CONFIG_CLASSES["dpo"] = DPOConfig
-
-# %% ../nbs/00_config.ipynb
-def _words(spec) -> tuple[str, ...]:
-    if not isinstance(spec, str): return tuple(spec)
-    module, name = spec.split(":")
-    return tuple(getattr(importlib.import_module(module), name))
-
 def choices(name: str, cls=None) -> tuple[str, ...]:
-    "The valid words of config key `name` of `cls` (default: the command config that has it), from the module that owns them."
-    for c in [cls] if cls is not None else CONFIG_CLASSES.values():
+    "The valid words of config key `name` of `cls` (default: the first registered kind's config that has it)."
+    for c in [cls] if cls is not None else [RunConfig, TrainConfig, GenerationConfig, *(k.config for k in KINDS.values())]:
         for f in fields(c):
-            if f.name == name and "choices" in f.metadata: return _words(f.metadata["choices"])
+            if f.name == name and "choices" in f.metadata: return tuple(f.metadata["choices"])
     raise KeyError(f"config key {name!r} takes no list of words")
 
 # %% ../nbs/00_config.ipynb
@@ -372,7 +237,7 @@ def value_problems(cfg) -> list[str]:
     for f in fields(cfg):
         v, m = getattr(cfg, f.name), f.metadata
         if not m or v is None or v == MISSING: continue
-        if "choices" in m and v not in (words := _words(m["choices"])):
+        if "choices" in m and v not in (words := tuple(m["choices"])):
             out.append(f"{f.name}={v!r} is not one of {', '.join(words)}.{_suggest(str(v), words)}")
         if m.get("positive") and v <= 0: out.append(f"{f.name}={v} must be > 0")
         if m.get("non_negative") and v < 0: out.append(f"{f.name}={v} must be >= 0")
@@ -478,9 +343,9 @@ def _read_base(base: Path, cls) -> Any:
 
 # %% ../nbs/00_config.ipynb
 def load_config(kind, overrides: Sequence[str] = (), base: str | Path | None = "default") -> RunConfig:
-    "Build a validated config: dataclass defaults <- YAML `base` <- `key=value` `overrides`."
-    cls = CONFIG_CLASSES[kind] if isinstance(kind, str) else kind
-    if base == "default": base = default_base(kind) if isinstance(kind, str) else None
+    "Build a validated config of `kind` (a registered kind, its name, or a config class): dataclass defaults <- YAML `base` (\"default\": the kind's `configs/<name>.yml`) <- `key=value` `overrides`."
+    cls = kind if isinstance(kind, type) else kind_of(kind).config
+    if base == "default": base = None if isinstance(kind, type) else kind_of(kind).base
     layers = [(str(base), _read_base(Path(base), cls))] if base is not None else []
     for o in parse_overrides(overrides):   # one at a time, so that a YAML error names its override
         try: OmegaConf.from_dotlist([o])
@@ -529,6 +394,26 @@ def describe_keys(cls) -> str:
         m, default = f.metadata, f.default_factory() if f.default_factory is not _NO_DEFAULT else f.default
         about = [_type_name(cls, f.name), "required" if default == MISSING else f"default {_flow(default)}"]
         if m.get("resumable"): about.append("resumable")
-        words = f"; one of: {', '.join(_words(m['choices']))}" if "choices" in m else ""
+        words = f"; one of: {', '.join(m['choices'])}" if "choices" in m else ""
         out.append(f"  {f.name} ({', '.join(about)}): {m.get('help', '')}{words}")
     return "\n".join(out)
+
+# %% ../nbs/00_config.ipynb
+def effective_config(directory) -> dict:
+    "The config a run directory runs under: `config.yml` with the changes of `config_history.jsonl` applied."
+    d = Path(directory)
+    cfg = OmegaConf.to_container(OmegaConf.load(d / "config.yml"))
+    hist = d / "config_history.jsonl"
+    for line in (hist.read_text().splitlines() if hist.exists() else []):
+        if line.strip(): cfg.update({k: v[1] for k, v in json.loads(line)["changed"].items()})
+    return cfg
+
+# %% ../nbs/00_config.ipynb
+def split_base(argv) -> tuple[str | Path, list[str]]:
+    "`(base, overrides)`: a leading `*.yml` / `*.yaml` argument is the YAML base, else the command's default."
+    argv = list(argv)
+    return (argv.pop(0) if argv and argv[0].endswith((".yml", ".yaml")) else "default"), argv
+
+def eval_source(cfg: RunConfig) -> str:
+    "Where the held-out split comes from: `eval_dataset_name`, else `dataset_name` (\"\" = the embedded task)."
+    return cfg.eval_dataset_name or cfg.dataset_name

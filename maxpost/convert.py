@@ -123,7 +123,7 @@ def _read_any(kind: str, src: Path, a) -> tuple[Decoder, Path | None]:
     if kind == "maxpost":
         run = src if (src / "checkpoints").is_dir() else src.parent.parent
         tok = run / "tokenizer" if (run / "tokenizer").is_dir() else None
-        from maxpost.setup import lora_run_config, load_lora_run, find_run_checkpoint
+        from maxpost.policy import lora_run_config, load_lora_run, find_run_checkpoint
         if lora_run_config(run) is None: return load_run_model(src, dtype=a.dtype), tok
         from maxpost.config import RunConfig   # a LoRA run: its base with its adapters merged
         from maxpost.sharding import make_mesh  # on a mesh, as the run built it: a random base is drawn the same way

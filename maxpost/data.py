@@ -18,7 +18,7 @@ from .config import ConfigError
 __all__ = ['FORMATS', 'DATA_FORMATS', 'TRAIN_ON', 'CHAT_ROLES', 'load_tokenizer', 'detect_format', 'dataset_splits',
            'load_dataset_split', 'same_rows', 'assistant_spans', 'encode_chat', 'show_mask', 'encode_example',
            'Examples', 'tokenize_dataset', 'check_examples', 'pack_best_fit', 'make_rows', 'padding_fraction',
-           'BatchIterator', 'make_sft_iterator', 'encode_prompt']
+           'BatchIterator', 'make_sft_iterator', 'encode_prompt', 'PromptIterator']
 
 # %% ../nbs/04_data.ipynb
 def load_tokenizer(path: str | Path, *, chat_template: str | None = None):
@@ -550,3 +550,24 @@ def encode_prompt(tokenizer, example: dict, data_format: str = "auto", *, use_ch
         msgs = (_check_messages(prompt, "prompt") if isinstance(prompt, list) else
                 ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": prompt}])
     return tokenizer(_render(tokenizer, msgs, True, chat_template_kwargs), add_special_tokens=False)["input_ids"]
+
+# %% ../nbs/04_data.ipynb
+class PromptIterator:
+    "Deterministic, resumable draws of prompt examples: a seeded permutation per epoch."
+    def __init__(self, examples: list[dict], seed: int = 0):
+        if not examples: raise ValueError("no prompts in the training split")
+        self.examples, self.seed, self.epoch, self.position = examples, int(seed), 0, 0
+
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+
+    def next(self, n: int) -> list[dict]:
+        out = []
+        while len(out) < n:
+            if self.position >= len(self.examples): self.epoch, self.position = self.epoch + 1, 0
+            out.append(self.examples[int(self._order(self.epoch)[self.position])]); self.position += 1
+        return out
+
+    def state(self) -> dict: return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+    def restore(self, s: dict) -> "PromptIterator":
+        self.epoch, self.position, self.seed = int(s["epoch"]), int(s["position"]), int(s["seed"]); return self

@@ -6,26 +6,54 @@
 from __future__ import annotations
 import json, os, random, sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
 
 from . import tasks, sharding
-from .config import DPOConfig, ConfigError
-from .sampling import left_pad, completion_logps
-from .sft_loss import LOGITS_CHUNK_SIZE
-from .preference_loss import preference_loss, sequence_logps, REFERENCE_FREE
-from .setup import prepare_embedded_task, eval_source, check_held_out
-from .evaluate import load_eval_examples, evaluate, eval_options
+from .config import TrainConfig, GenerationConfig, ConfigError, eval_source, key, register_kind, run_dir
+from .model import LOGITS_CHUNK_SIZE
+from .data import PromptIterator
+from .sampling import left_pad, completion_logps, split_groups, merge_groups
+from .preference_loss import LOSS_TYPES, preference_loss, sequence_logps, REFERENCE_FREE
+from .tasks import prepare_embedded_task, check_held_out
+from .evaluate import load_eval_examples, evaluate, eval_options, held_out_table
+from .policy import Setup
 from .train import Trainer, train_command, flops_per_token
 from .step import make_update_step, ReferencePolicy
-from .rl import PromptIterator, split_groups, merge_groups
 
 # %% auto 0
-__all__ = ['extract_prompt', 'encode_pair', 'preference_batch', 'embedded_pair', 'write_embedded_pairs', 'embedded_pairs',
-           'load_pairs', 'PairData', 'preference_options', 'pair_logps', 'dpo_loss', 'make_dpo_loss', 'make_dpo_step',
-           'make_dpo_eval_step', 'make_reference_fn', 'DPOTrainer', 'train_dpo', 'main']
+__all__ = ['KIND', 'DPOConfig', 'extract_prompt', 'encode_pair', 'preference_batch', 'embedded_pair', 'write_embedded_pairs',
+           'embedded_pairs', 'load_pairs', 'PairData', 'preference_options', 'pair_logps', 'dpo_loss', 'make_dpo_loss',
+           'make_dpo_step', 'make_dpo_eval_step', 'make_reference_fn', 'DPOTrainer', 'train_dpo', 'main']
+
+# %% ../nbs/15b_dpo.ipynb
+@dataclass
+class DPOConfig(TrainConfig, GenerationConfig):
+    "Preference optimisation from pairs of a chosen and a rejected reply: DPO (sigmoid), IPO, hinge, ORPO, SimPO."
+    loss_type: str = key("sigmoid", choices=LOSS_TYPES,
+        help="the preference loss: sigmoid (DPO), ipo, hinge, orpo or simpo (chapter 12b)")
+    beta: float = key(0.1, positive=True, help="the strength of the tie to the reference (SimPO: the reward scale)")
+    label_smoothing: float = key(0.0, interval="[0, 0.5)",
+        help="the share of preference labels taken to be flipped (sigmoid and simpo only)")
+    lambda_orpo: float = key(0.1, non_negative=True, help="ORPO: the weight of the odds-ratio term beside the chosen NLL")
+    simpo_gamma: float = key(0.5, non_negative=True, help="SimPO: the target reward margin")
+    precompute_ref_log_probs: bool = key(False,
+        help="compute the reference's log-probs of every pair once, before training, and keep no reference model")
+    prompt_column: str = key("prompt", help="the prompt column; without one, the prompt is what chosen and rejected share")
+    chosen_column: str = key("chosen", help="the preferred reply (a string or a conversation)")
+    rejected_column: str = key("rejected", help="the dispreferred reply (a string or a conversation)")
+    eval_batches: int = key(4, positive=True, resumable=True, help="held-out batches of pairs for the preference loss")
+
+    def problems(self) -> list[str]:
+        "`TrainConfig`'s problems, and keys that the chosen `loss_type` would ignore."
+        out = super().problems()
+        if self.label_smoothing and self.loss_type not in ("sigmoid", "simpo"):
+            out.append(f"label_smoothing={self.label_smoothing} has no effect with loss_type={self.loss_type!r} (it "
+                       "smooths the sigmoid of DPO and SimPO); set label_smoothing=0")
+        return out
 
 # %% ../nbs/15b_dpo.ipynb
 def _is_conversation(x) -> bool:
@@ -225,8 +253,8 @@ class DPOTrainer(Trainer):
     summary_keys = ("loss", "rewards/accuracies", "rewards/margins")
     progress_keys = ("loss", "rewards/margins", "eval_rewards/accuracies", "pass@1")
 
-    def __init__(self, cfg: DPOConfig, *, progress: bool = True):
-        super().__init__(cfg)
+    def __init__(self, cfg: DPOConfig, setup: Setup | None = None, *, progress: bool = True):
+        super().__init__(cfg, setup)
         self.progress = progress
         check_held_out(cfg)
         B, lengths = cfg.global_batch_size, (cfg.max_prompt_length, cfg.max_completion_length)
@@ -242,8 +270,7 @@ class DPOTrainer(Trainer):
         self.reference, self.ref_table = None, None       # π_ref: a ReferencePolicy, or its log-probs computed once
         if cfg.loss_type not in REFERENCE_FREE:
             # a copy of the initial weights; with LoRA the adapters off: the frozen base, no copy (chapter 08b)
-            ref = ReferencePolicy(self.params, self.rest, lambda *a: self.run_step("ref_fn", *a),
-                                  weights=self.weights)
+            ref = ReferencePolicy(self.params, self.rest, lambda *a: self.run_step("ref_fn", *a), self.weights)
             if cfg.precompute_ref_log_probs:
                 self.ref_table = {"train": self._reference_table(ref, self.train_data, list(range(len(self.train_data)))),
                                   "eval": self._reference_table(ref, self.eval_data, list(range(n_eval)))}
@@ -326,5 +353,8 @@ def train_dpo(cfg: DPOConfig, *, progress: bool = True) -> dict:
     return DPOTrainer(cfg, progress=progress).fit(progress=progress)
 
 def main(argv=None) -> int:
-    "`maxpost dpo [base.yml] key=value ...`"
-    return train_command("dpo", train_dpo, argv)
+    "`maxpost dpo [base.yml] key=value ...`: the run, then its held-out table from the first evaluation to the last."
+    return train_command("dpo", argv, report=lambda cfg, out: [held_out_table(run_dir(cfg))])
+
+KIND = register_kind("dpo", DPOConfig, main, "DPO / IPO / hinge / ORPO / SimPO from preference pairs (base: configs/dpo.yml)",
+                     trainer=DPOTrainer)

@@ -5,34 +5,50 @@
 # %% ../nbs/14_evaluate.ipynb 4
 from __future__ import annotations
 import dataclasses, hashlib, json, os
+from dataclasses import dataclass
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from .config import RunConfig, ConfigError, run_dir
+from .config import (RunConfig, QAConfig, GenerationConfig, ConfigError, default_base, eval_source, key,
+                            load_config, register_kind, run_dir)
+from .tasks import embedded_split
+from .policy import command_config, setup_run
+from .rundir import MetricsLogger, RunLock, read_metrics
 from .rewards import extract_answer, answers_match, format_reward, format_reward_for, gsm8k_gold, check_gold_answers
 from .prompts import prompt_token_ids, stop_token_ids
 
 # %% auto 0
-__all__ = ['load_examples', 'load_eval_examples', 'pass_at_k', 'majority_vote', 'score_samples', 'evaluate', 'format_table',
-           'eval_options', 'show_generations', 'eval_dir', 'run_evaluation', 'main']
+__all__ = ['KIND', 'EvalConfig', 'eval_config_for', 'load_examples', 'load_eval_examples', 'pass_at_k', 'majority_vote',
+           'score_samples', 'evaluate', 'format_table', 'eval_options', 'show_generations', 'eval_dir',
+           'run_evaluation', 'main', 'held_out_table']
+
+# %% ../nbs/14_evaluate.ipynb
+@dataclass
+class EvalConfig(GenerationConfig):
+    "Evaluating a checkpoint: pass@1, pass@k, maj@k and format rate on held-out prompts."
+    run_name: str = key("", help="the evaluation's directory name; \"\" = eval-<checkpoint>, next to the runs")
+
+def eval_config_for(cfg: RunConfig, **changes) -> EvalConfig:
+    "The `maxpost eval` config (on `configs/eval.yml`) with every key it shares with `cfg` but `run_name` taken from `cfg`, then `changes`."
+    shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(EvalConfig) if hasattr(cfg, f.name)}
+    return dataclasses.replace(load_config(EvalConfig, base=default_base("eval")), **{**shared, "run_name": "", **changes})
 
 # %% ../nbs/14_evaluate.ipynb
 def _rows(cfg: RunConfig, split: str, source: str):
     "The rows of `split` of `source` (\"\" = the embedded task's problems)."
     from maxpost.data import load_dataset_split
-    from maxpost.setup import embedded_split
     if source: return load_dataset_split(source, split, dataset_config=cfg.dataset_config)
     path, split = embedded_split(cfg, split)
     if split != "train": return load_dataset_split(path, split)       # a slice
     with open(path) as f: return [json.loads(line) for line in f]
 
-def load_examples(cfg: RunConfig, split: str, *, source: str | None = None, num_prompts: int = 0,
+def load_examples(cfg: QAConfig, split: str, *, source: str | None = None, num_prompts: int = 0,
                   check_gold: bool = True) -> list[dict]:
     "The first `num_prompts` (0 = all) examples of `split` of `source` (default `dataset_name`): original columns plus `question` and gold `answer` (checked to hold final answers)."
     source = cfg.dataset_name if source is None else source
-    qcol, acol = getattr(cfg, "question_column", "question"), getattr(cfg, "answer_column", "answer")
+    qcol, acol = cfg.question_column, cfg.answer_column
     rows = _rows(cfg, split, source)
     names = rows.column_names if hasattr(rows, "column_names") else list(rows[0]) if rows else []
     if missing := [c for c in (qcol, acol) if c not in names]:
@@ -44,10 +60,9 @@ def load_examples(cfg: RunConfig, split: str, *, source: str | None = None, num_
     return [{**row, "question": str(row[qcol]), "answer": gsm8k_gold(str(row[acol]))} for row in rows]
 
 # %% ../nbs/14_evaluate.ipynb
-def load_eval_examples(cfg: RunConfig) -> list[dict]:
+def load_eval_examples(cfg: QAConfig) -> list[dict]:
     "The held-out examples every evaluation uses: the first `eval_num_prompts` of `eval_split` of `eval_source(cfg)`."
-    from maxpost.setup import eval_source
-    return load_examples(cfg, cfg.eval_split, source=eval_source(cfg), num_prompts=getattr(cfg, "eval_num_prompts", 0))
+    return load_examples(cfg, cfg.eval_split, source=eval_source(cfg), num_prompts=cfg.eval_num_prompts)
 
 # %% ../nbs/14_evaluate.ipynb
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -153,20 +168,17 @@ def format_table(results: dict[str, dict]) -> str:
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
 
 # %% ../nbs/14_evaluate.ipynb
-def eval_options(cfg: RunConfig) -> dict:
-    "`evaluate`'s keyword arguments from a config (an SFT config lacks them: the defaults)."
-    get = lambda k, d: getattr(cfg, k, d)
-    return dict(k=get("eval_k", 8), template=get("prompt_template", "gsm8k"), max_prompt_length=get("max_prompt_length", 128),
-                max_completion_length=get("max_completion_length", 128),
-                temperature=get("temperature", 1.0) if get("temperature", 1.0) > 0 else 1.0,
-                top_k=get("top_k", 0), top_p=get("top_p", 1.0), seed=cfg.seed)
+def eval_options(cfg: GenerationConfig) -> dict:
+    "`evaluate`'s keyword arguments from a config that generates (RL, DPO, `maxpost eval`)."
+    return dict(k=cfg.eval_k, template=cfg.prompt_template, max_prompt_length=cfg.max_prompt_length,
+                max_completion_length=cfg.max_completion_length,
+                temperature=cfg.temperature if cfg.temperature > 0 else 1.0, top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed)
 
 # %% ../nbs/14_evaluate.ipynb
 def show_generations(run_directory, cfg: RunConfig, n: int = 3) -> list[dict]:
     "Print `n` greedy completions of the policy in `run_directory` on eval prompts, with the gold answers."
     import jax
-    from maxpost.setup import setup_run, eval_source
-    cfg = dataclasses.replace(cfg, load_parameters_path=str(run_directory))
+    cfg = eval_config_for(cfg, load_parameters_path=str(run_directory))
     s = setup_run(cfg)
     examples = load_examples(cfg, cfg.eval_split, source=eval_source(cfg), num_prompts=n)
     with jax.set_mesh(s.mesh):
@@ -212,10 +224,9 @@ def eval_dir(cfg: RunConfig) -> Path:
     return run_dir(dataclasses.replace(cfg, run_name=f"{name}-{digest}"))
 
 # %% ../nbs/14_evaluate.ipynb
-def run_evaluation(cfg: RunConfig, *, progress: bool = False) -> dict:
+def run_evaluation(cfg: EvalConfig, *, progress: bool = False) -> dict:
     "Evaluate the policy at `cfg.load_parameters_path`; log a kind='eval' record and write eval.json under `eval_dir(cfg)`."
     import jax
-    from maxpost.setup import MetricsLogger, RunLock, setup_run
     if not cfg.load_parameters_path:
         raise ConfigError("maxpost eval needs load_parameters_path= (a maxpost run directory, one of its "
                           "checkpoints/<step> directories, or a Hugging Face directory)")
@@ -238,8 +249,22 @@ def run_evaluation(cfg: RunConfig, *, progress: bool = False) -> dict:
 # %% ../nbs/14_evaluate.ipynb
 def main(argv=None) -> int:
     "`maxpost eval [base.yml] key=value ...`"
-    from maxpost.setup import run_command
-    cfg, res = run_command("eval", run_evaluation, argv)
+    cfg = command_config("eval", argv)
+    res = run_evaluation(cfg)
     print(format_table({_label(cfg.load_parameters_path): res}))
     print(f"eval record: {eval_dir(cfg) / 'eval.json'}")
     return 0
+
+# %% ../nbs/14_evaluate.ipynb
+def held_out_table(directory) -> str | None:
+    "The held-out generation metrics (pass@1, pass@k, maj@k, format rate) of a run's first and last evaluation side by side, or None when it has fewer than two."
+    evals = [r for r in read_metrics(directory, "eval") if "pass@1" in r]
+    if len(evals) < 2: return None
+    first, last = evals[0], evals[-1]
+    keys = [k for k in last if k in first and (k.startswith(("pass@", "maj@")) or k == "format_rate")]
+    n = last.get("num_prompts")
+    lines = [f"held-out{f' ({n} problems)' if n else ''}: step {first['step']} -> step {last['step']}"]
+    return "\n".join(lines + [f"  {k:<12} {100 * first[k]:5.1f} % -> {100 * last[k]:5.1f} %" for k in keys])
+
+# %% ../nbs/14_evaluate.ipynb
+KIND = register_kind("eval", EvalConfig, main, "pass@1, pass@k, maj@k and format rate of a checkpoint (base: configs/eval.yml)")

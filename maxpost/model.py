@@ -9,20 +9,20 @@ from functools import partial
 import numpy as np
 import jax, jax.numpy as jnp
 from flax import nnx
+from .config import REMAT_POLICIES   # the words of `remat` (chapter 00_config), in order of memory, most first
 from .sharding import constrain, create_sharded
 from .attention import (   # all of them importable from maxpost.model too, their first home
     ATTENTION_IMPLEMENTATIONS, NEG_INF, Spans, after, attend, attend_step, attention_implementation, attention_mask,
     block_sizes, blockwise_attention, plus_zero, zero_of)
 
 # %% auto 0
-__all__ = ['FAMILIES', 'REMAT_POLICIES', 'PRESETS', 'ModelConfig', 'get_model_config', 'rms_norm', 'RMSNorm', 'rope_frequencies',
-           'rope_sin_cos', 'rotate', 'apply_rope', 'dense', 'LoRA', 'project', 'Attention', 'gated', 'MLP', 'Block',
-           'Tape', 'recompute_in_backward', 'init_cache', 'grow_cache', 'Decoder', 'create_model', 'num_params',
-           'TunixPolicy']
+__all__ = ['FAMILIES', 'PRESETS', 'LOGITS_CHUNK_SIZE', 'ModelConfig', 'get_model_config', 'rms_norm', 'RMSNorm',
+           'rope_frequencies', 'rope_sin_cos', 'rotate', 'apply_rope', 'dense', 'LoRA', 'project', 'Attention', 'gated',
+           'MLP', 'Block', 'Tape', 'recompute_in_backward', 'init_cache', 'grow_cache', 'Decoder', 'create_model',
+           'num_params', 'TunixPolicy', 'token_logps', 'split_chunks', 'join_chunks', 'chunk_length']
 
 # %% ../nbs/02_model.ipynb
 FAMILIES = ("llama", "qwen3", "gemma3")
-REMAT_POLICIES = ("none", "minimal", "full")   # in order of memory, most first: each keeps less and recomputes more
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -481,3 +481,30 @@ class TunixPolicy(nnx.Module):
         logits_btv, _ = self.model(tokens_bt, positions_bt, None, mask_bts)
         if logits_range is not None: logits_btv = logits_btv[:, logits_range[0]:logits_range[1]]
         return logits_btv.astype(jnp.float32)
+
+# %% ../nbs/02_model.ipynb
+def token_logps(logits_btv: jax.Array, tokens_bt: jax.Array) -> jax.Array:
+    "Log-probabilities (float32) of `tokens_bt` under `logits_btv`, by a gather over the log-softmax."
+    logits_btv = logits_btv.astype(jnp.float32)
+    picked_bt = jnp.take_along_axis(logits_btv, tokens_bt[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return picked_bt - jax.nn.logsumexp(logits_btv, axis=-1)
+
+# %% ../nbs/02_model.ipynb
+LOGITS_CHUNK_SIZE = 1024   # tokens a chunk: [1024, V] float32 logits, 0.6 GB at V = 151,936, 32 MB at 8,192
+
+def split_chunks(x: jax.Array, chunk_len: int) -> jax.Array:
+    "[B,T,...] -> [n,B,chunk_len,...]: the chunks of positions a scan walks over; T zero-padded to n * chunk_len."
+    b, t = x.shape[:2]
+    n = -(-t // chunk_len)
+    x = jnp.pad(x, [(0, 0), (0, n * chunk_len - t)] + [(0, 0)] * (x.ndim - 2))
+    return x.reshape(b, n, chunk_len, *x.shape[2:]).swapaxes(0, 1)
+
+def join_chunks(x: jax.Array, t: int) -> jax.Array:
+    "Inverse of `split_chunks`: [n,B,chunk_len,...] -> [B,t,...]."
+    n, b, c = x.shape[:3]
+    return x.swapaxes(0, 1).reshape(b, n * c, *x.shape[3:])[:, :t]
+
+# %% ../nbs/02_model.ipynb
+def chunk_length(chunk_size: int, rows: int) -> int:
+    "Positions a chunk of `chunk_size` tokens holds of each of `rows` rows (at least 1)."
+    return max(1, chunk_size // rows)

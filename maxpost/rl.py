@@ -5,30 +5,34 @@
 # %% ../nbs/15_rl.ipynb 4
 from __future__ import annotations
 import time
-from typing import Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
 
-from .config import ConfigError, RLConfig, run_dir
+from .config import TrainConfig, GenerationConfig, ConfigError, key, run_dir
 from . import sharding
-from .advantages import group_advantages
-from .policy_loss import policy_loss
-from .sampler_correction import importance_weights
-from .rewards import as_reward_specs, compute_rewards, correctness_reward, start_reward_workers, close_reward_workers
-from .sampling import Rollout, generate, completion_logps
-from .sft_loss import LOGITS_CHUNK_SIZE
+from .model import LOGITS_CHUNK_SIZE
+from .data import PromptIterator
+from .advantages import SCALES, group_advantages
+from .policy_loss import KL_ESTIMATORS, LOSS_AGG_CHOICES, LOSS_ALGOS, policy_loss
+from .sampler_correction import IMPORTANCE_SAMPLING_MODES, importance_weights
+from .rewards import (REWARD_ISOLATION, as_reward_specs, compute_rewards, correctness_reward, start_reward_workers,
+                             close_reward_workers)
+from .sampling import Rollout, generate, completion_logps, split_groups, make_logps_fn
 from .prompts import prompt_token_ids, stop_token_ids
 from .evaluate import load_examples, load_eval_examples, evaluate, eval_options
-from .setup import check_held_out
-from .train import Trainer, train_command
+from .tasks import check_held_out
+from .policy import Setup
+from .train import Trainer
 from .step import make_update_step, ReferencePolicy
 
 # %% auto 0
-__all__ = ['DEFAULT_EPSILONS', 'ROLLOUT_ENGINES', 'DEFAULT_IMPORTANCE_SAMPLING', 'STALE_IMPORTANCE_SAMPLING', 'resolve_epsilons',
-           'loss_options', 'PromptIterator', 'RolloutEngine', 'SamplerEngine', 'make_engine', 'sampling_options',
-           'default_importance_sampling', 'correction_options', 'rollout_metrics', 'group_mini_batches', 'split_groups',
-           'merge_groups', 'make_logps_fn', 'make_rl_step', 'RLTrainer', 'train_rl', 'main']
+__all__ = ['DEFAULT_EPSILONS', 'DEFAULT_IMPORTANCE_SAMPLING', 'STALE_IMPORTANCE_SAMPLING', 'ROLLOUT_ENGINES', 'resolve_epsilons',
+           'default_loss_agg_mode', 'loss_options', 'default_importance_sampling', 'RLConfig', 'RolloutEngine',
+           'SamplerEngine', 'make_engine', 'sampling_options', 'correction_options', 'rollout_metrics',
+           'group_mini_batches', 'make_rl_step', 'RLTrainer', 'train_rl']
 
 # %% ../nbs/15_rl.ipynb
 DEFAULT_EPSILONS = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4)}
@@ -39,33 +43,129 @@ def resolve_epsilons(cfg: RLConfig) -> tuple[float, float]:
     return (low if cfg.epsilon_low is None else cfg.epsilon_low, high if cfg.epsilon_high is None else cfg.epsilon_high)
 
 # %% ../nbs/15_rl.ipynb
+def default_loss_agg_mode(loss_algo: str) -> str:
+    "The aggregation `loss_agg_mode=null` means: sequence-mean-token-mean for GSPO's one term per sequence, else token-mean."
+    return "sequence-mean-token-mean" if loss_algo == "gspo" else "token-mean"
+
 def loss_options(cfg: RLConfig) -> dict:
     "The keyword arguments of `policy_loss` for this config."
     low, high = resolve_epsilons(cfg)
-    agg = cfg.loss_agg_mode or ("sequence-mean-token-mean" if cfg.loss_algo == "gspo" else "token-mean")
+    agg = cfg.loss_agg_mode or default_loss_agg_mode(cfg.loss_algo)
     return dict(loss_algo=cfg.loss_algo, epsilon_low=low, epsilon_high=high, beta=cfg.beta,
                 kl_estimator=cfg.kl_estimator, loss_agg_mode=agg, max_completion_length=cfg.max_completion_length)
 
 # %% ../nbs/15_rl.ipynb
-class PromptIterator:
-    "Deterministic, resumable draws of prompt examples: a seeded permutation per epoch."
-    def __init__(self, examples: list[dict], seed: int = 0):
-        if not examples: raise ValueError("no prompts in the training split")
-        self.examples, self.seed, self.epoch, self.position = examples, int(seed), 0, 0
+DEFAULT_IMPORTANCE_SAMPLING = {"maxpost": "none", "vllm": "sequence_mask"}   # the engine -> the correction it needs
+STALE_IMPORTANCE_SAMPLING = "token_truncate"   # rollouts of older weights (max_staleness > 0, chapter 15c)
 
-    def _order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+def default_importance_sampling(engine: str, max_staleness: int = 0) -> str:
+    "The correction that `importance_sampling_mode=null` means: the engine's, or `STALE_IMPORTANCE_SAMPLING` when the sampler may hold older weights (either engine)."
+    return STALE_IMPORTANCE_SAMPLING if max_staleness > 0 else DEFAULT_IMPORTANCE_SAMPLING[engine]
 
-    def next(self, n: int) -> list[dict]:
-        out = []
-        while len(out) < n:
-            if self.position >= len(self.examples): self.epoch, self.position = self.epoch + 1, 0
-            out.append(self.examples[int(self._order(self.epoch)[self.position])]); self.position += 1
+# %% ../nbs/15_rl.ipynb
+ROLLOUT_ENGINES = ("maxpost", "vllm")   # the samplers of the rollouts (below)
+
+@dataclass
+class RLConfig(TrainConfig, GenerationConfig):
+    "Reinforcement learning with group-relative policy optimisation (GRPO, GSPO)."
+    num_generations: int = key(8, positive=True,
+        help="completions per prompt (G), the group of group-relative advantages")
+    loss_algo: str = key("grpo", choices=LOSS_ALGOS,
+        help="token-level (grpo) or sequence-level (gspo, gspo-token) importance ratios")
+    epsilon_low: Optional[float] = key(None, non_negative=True,
+        help="lower clip of the ratio; null = the algorithm's (grpo 0.2, gspo 3e-4)")
+    epsilon_high: Optional[float] = key(None, non_negative=True,
+        help="upper clip of the ratio; null = the algorithm's (grpo 0.28, gspo 4e-4)")
+    beta: float = key(0.0, non_negative=True,
+        help="weight of the KL penalty to the reference policy; 0 = no reference model")
+    kl_estimator: str = key("k3", choices=KL_ESTIMATORS,
+        help="the estimator of the KL penalty (beta > 0)")
+    loss_agg_mode: Optional[str] = key(None, choices=LOSS_AGG_CHOICES,
+        help="how token losses are averaged; null = the algorithm's (gspo: sequence-mean-token-mean, else token-mean)")
+    advantage_scale: str = key("group", choices=SCALES,
+        help="what the group-relative advantage is divided by: the group's std, the batch's, or nothing")
+    num_iterations: int = key(1, positive=True, help="mu: optimizer passes over each rollout batch")
+    mini_batch_size: int = key(0, non_negative=True,
+        help="rows per optimizer step within a rollout batch (whole groups); 0 = all")
+    reward_functions: list[str] = key(factory=lambda: ["correctness", "format"],
+        help="reward functions by name (correctness, format, ...) or module:function")
+    reward_weights: list[float] = key(factory=lambda: [1.0, 0.1], help="one weight per reward function")
+    reward_timeout_s: float = key(10.0, positive=True, resumable=True,
+        help="a reward call past it scores 0 (its worker process is restarted)")
+    reward_isolation: str = key("process", choices=REWARD_ISOLATION,
+        help="process: a worker process per function (a timeout stops it); thread: in this process")
+    rollout_engine: str = key("maxpost", choices=ROLLOUT_ENGINES,
+        help="the sampler of the rollouts: maxpost's own, or vLLM")
+    importance_sampling_mode: Optional[str] = key(None, choices=IMPORTANCE_SAMPLING_MODES,
+        help="weights pi_trainer / pi_sampler correcting for the sampler (chapter 12c), per token or sequence, truncated "
+             "or masked; null = sequence_mask with vLLM, none with maxpost's sampler (the trainer's weights and dtype), "
+             "token_truncate with max_staleness > 0 (older weights)")
+    importance_sampling_clip_max: Optional[float] = key(3.0, positive=True,
+        help="C_max of the correction: *_truncate lowers a weight to it, *_mask drops a weight above it; null = no bound")
+    importance_sampling_clip_min: Optional[float] = key(None, non_negative=True,
+        help="C_min of the correction: *_truncate raises a weight to it, *_mask drops a weight below it; null = no bound")
+    max_staleness: int = key(0, non_negative=True,
+        help="k: rollouts run in a background thread while the trainer updates, each with a weight snapshot at most k "
+             "steps older than the trained policy (older ones are dropped; chapter 15c); 0 = the synchronous loop; k > 0 "
+             "makes the default importance_sampling_mode token_truncate (pi_prox recomputed by the trainer)")
+    rollout_devices: int = key(0, non_negative=True,
+        help="with max_staleness > 0, devices of the rollouts' own: the last rollout_devices devices hold a "
+             "data-parallel copy of the policy that samples, the trainer's mesh the others (Tunix's role_to_mesh, "
+             "MaxText's sampler_devices_fraction); 0 = the rollouts share the trainer's devices")
+    weight_sync_steps: int = key(1, positive=True,
+        help="with max_staleness > 0, publish the trainer's weights to the rollouts every this many updates (TRL's "
+             "weight_sync_steps); at most max_staleness, or every rollout of the older weights would be dropped")
+
+    def batch_problems(self) -> list[str]:
+        "Groups, mini-batches of whole groups, micro-batches of whole groups (instead of `TrainConfig`'s split)."
+        out, G, B, A = [], self.num_generations, self.global_batch_size, self.gradient_accumulation_steps
+        if G == 1: out.append("num_generations=1 makes every group-relative advantage 0 (a group of one is its own "
+                              "mean), so nothing is learned; use num_generations >= 2")
+        if G > 0 and B % G: out.append(f"global_batch_size={B} must be a multiple of num_generations={G} (each prompt "
+                                       "gets num_generations completions)")
+        mb = self.mini_batch_size or B
+        if G > 0 and self.mini_batch_size and (mb % G or B % mb):   # 0 = the whole batch: the check above
+            out.append(f"mini_batch_size={mb} must be whole groups (a multiple of num_generations={G}) that divide "
+                       f"global_batch_size={B}; mini_batch_size=0 updates on the whole batch at once")
+        elif G > 0 and mb and A and (mb // G) % A:
+            out.append(f"gradient_accumulation_steps={A} must divide the {mb // G} groups "
+                       "of a mini-batch (each micro-batch holds whole groups)")
         return out
 
-    def state(self) -> dict: return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
-    def restore(self, s: dict) -> "PromptIterator":
-        self.epoch, self.position, self.seed = int(s["epoch"]), int(s["position"]), int(s["seed"]); return self
+    @classmethod
+    def defaults_from(cls, values: dict) -> dict:
+        "The defaults that `None` stands for: `epsilon_low`, `epsilon_high` (`DEFAULT_EPSILONS`) and `loss_agg_mode` (`default_loss_agg_mode`) of `values['loss_algo']`; `importance_sampling_mode` of `values['rollout_engine']` and `values['max_staleness']` (`default_importance_sampling`)."
+        out = {}
+        if values.get("rollout_engine") in DEFAULT_IMPORTANCE_SAMPLING:   # a wrong word: validate names it
+            k = values.get("max_staleness")
+            out["importance_sampling_mode"] = default_importance_sampling(values["rollout_engine"], k if isinstance(k, int) else 0)
+        if values.get("loss_algo") not in DEFAULT_EPSILONS: return out
+        low, high = DEFAULT_EPSILONS[values["loss_algo"]]
+        return out | dict(epsilon_low=low, epsilon_high=high, loss_agg_mode=default_loss_agg_mode(values["loss_algo"]))
+
+    def problems(self) -> list[str]:
+        "`TrainConfig`'s problems (with the group checks), one weight per reward function, and bounds of the sampler correction that make sense."
+        out = super().problems()
+        if len(self.reward_functions) != len(self.reward_weights):
+            out.append(f"reward_functions has {len(self.reward_functions)} entries but reward_weights has "
+                       f"{len(self.reward_weights)}; give one weight per function")
+        lo, hi, mode = self.importance_sampling_clip_min, self.importance_sampling_clip_max, self.importance_sampling_mode
+        if lo is not None and hi is not None and lo >= hi:
+            out.append(f"importance_sampling_clip_min={lo} must be below importance_sampling_clip_max={hi}")
+        if mode in ("token_truncate", "sequence_truncate") and lo is None and hi is None:
+            out.append(f"importance_sampling_mode={mode} truncates the weights to [clip_min, clip_max] but both are null; "
+                       "set importance_sampling_clip_max (TRL's default is 3.0) or importance_sampling_clip_min")
+        if self.rollout_devices and self.rollout_engine != "maxpost":
+            out.append(f"rollout_devices={self.rollout_devices} places maxpost's own sampler; {self.rollout_engine} "
+                       "manages its own device memory (gpu_memory_utilization): set rollout_devices=0")
+        if self.rollout_devices and not self.max_staleness:
+            out.append(f"rollout_devices={self.rollout_devices} gives the rollouts devices of their own, which only "
+                       "pays when they run beside the update: set max_staleness >= 1, or rollout_devices=0")
+        if self.weight_sync_steps > max(self.max_staleness, 1):
+            out.append(f"weight_sync_steps={self.weight_sync_steps} publishes weights more than max_staleness="
+                       f"{self.max_staleness} versions apart, so rollouts would lag more than max_staleness and be "
+                       f"dropped; set max_staleness >= {self.weight_sync_steps} or a smaller weight_sync_steps")
+        return out
 
 # %% ../nbs/15_rl.ipynb
 @runtime_checkable
@@ -90,8 +190,6 @@ class SamplerEngine:
         return 0.0
 
 # %% ../nbs/15_rl.ipynb
-ROLLOUT_ENGINES = ("maxpost", "vllm")
-
 def make_engine(cfg: RLConfig, model: nnx.Module, tokenizer) -> RolloutEngine:
     "The rollout engine `cfg.rollout_engine` names, holding `model`."
     if cfg.rollout_engine == "maxpost": return SamplerEngine(model, tokenizer)
@@ -107,13 +205,6 @@ def sampling_options(cfg: RLConfig, tokenizer) -> dict:
                 eos_ids=stop_token_ids(tokenizer), pad_id=tokenizer.pad_token_id or 0)
 
 # %% ../nbs/15_rl.ipynb
-DEFAULT_IMPORTANCE_SAMPLING = {"maxpost": "none", "vllm": "sequence_mask"}   # the engine -> the correction it needs
-STALE_IMPORTANCE_SAMPLING = "token_truncate"   # rollouts of older weights (max_staleness > 0, chapter 15c)
-
-def default_importance_sampling(engine: str, max_staleness: int = 0) -> str:
-    "The correction that `importance_sampling_mode=null` means: the engine's, or `STALE_IMPORTANCE_SAMPLING` when the sampler may hold older weights (either engine)."
-    return STALE_IMPORTANCE_SAMPLING if max_staleness > 0 else DEFAULT_IMPORTANCE_SAMPLING[engine]
-
 def correction_options(cfg: RLConfig) -> dict:
     "The keyword arguments of `importance_weights` for this config: the mode (`None`: the engine's default) and its bounds."
     mode = cfg.importance_sampling_mode or default_importance_sampling(cfg.rollout_engine, cfg.max_staleness)
@@ -139,33 +230,6 @@ def group_mini_batches(rng: np.random.Generator, batch_size: int, num_generation
     G, per = num_generations, mini_batch_size // num_generations
     order = rng.permutation(batch_size // G) if mini_batch_size < batch_size else np.arange(batch_size // G)
     return [(np.sort(order[i:i + per])[:, None] * G + np.arange(G)).reshape(-1) for i in range(0, len(order), per)]
-
-# %% ../nbs/15_rl.ipynb
-def split_groups(batch: dict, parts: int, num_generations: int) -> dict:
-    "[B, ...] leaves -> [parts, B // parts, ...]: part j holds groups j, j + parts, ... (whole groups of `num_generations` rows)."
-    def cut(x):
-        g = x.shape[0] // num_generations
-        x = x.reshape(g // parts, parts, num_generations, *x.shape[1:]).swapaxes(0, 1)
-        return x.reshape(parts, (g // parts) * num_generations, *x.shape[3:])
-    return jax.tree.map(cut, batch)
-
-def merge_groups(x: jax.Array, num_generations: int) -> jax.Array:
-    "The inverse of `split_groups` for one array: [parts, B // parts, ...] -> [B, ...]."
-    parts, rows = x.shape[:2]
-    x = x.reshape(parts, rows // num_generations, num_generations, *x.shape[2:]).swapaxes(0, 1)
-    return x.reshape(parts * rows, *x.shape[3:])
-
-# %% ../nbs/15_rl.ipynb
-def make_logps_fn(graphdef, temperature: float, num_generations: int = 1, parts: int = 1,
-                  chunk_size: int | None = LOGITS_CHUNK_SIZE):
-    "Jitted teacher-forced log-probs `(params, rest, batch) -> [B,T]` of the batch's completions, `parts` micro-batches of whole groups at a time."
-    def logps(params, rest, b):
-        model = nnx.merge(graphdef, params, rest)
-        one = lambda m: completion_logps(model, m["prompt_ids"], m["prompt_mask"], m["completion_ids"],
-                                         m["completion_mask"], temperature, num_generations, chunk_size=chunk_size)
-        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-        return merge_groups(jax.lax.map(one, split_groups({k: b[k] for k in keys}, parts, num_generations)), num_generations)
-    return jax.jit(logps)
 
 # %% ../nbs/15_rl.ipynb
 _COMBINE = {"ratio/min": jnp.min, "ratio/max": jnp.max,   # every other metric is already divided by the mini-batch's counts
@@ -204,11 +268,11 @@ class RLTrainer(Trainer):
     asynchronous = False   # max_staleness > 0 needs a trainer that overlaps rollouts with updates (chapter 15c)
     progress_keys = ("loss", "reward", "pass@1")
 
-    def __init__(self, cfg: RLConfig, *, reward_fns=None, engine: RolloutEngine | None = None):
+    def __init__(self, cfg: RLConfig, setup: Setup | None = None, *, reward_fns=None, engine: RolloutEngine | None = None):
         if cfg.max_staleness and not self.asynchronous:
             raise ConfigError(f"max_staleness={cfg.max_staleness} needs maxpost.async_rl.AsyncRLTrainer (what `maxpost rl` "
                               "runs); RLTrainer is the synchronous loop (max_staleness=0)")
-        super().__init__(cfg)
+        super().__init__(cfg, setup)
         check_held_out(cfg)
         G, B, A = cfg.num_generations, cfg.global_batch_size, cfg.gradient_accumulation_steps
         self.mini_batch = cfg.mini_batch_size or B
@@ -217,7 +281,7 @@ class RLTrainer(Trainer):
         self.reference = None                  # π_ref (only when beta > 0): the initial weights; with LoRA, the base (adapters off)
         if cfg.beta > 0:
             self.reference = ReferencePolicy(self.params, self.rest, lambda *a: self.run_step("logps_fn", *a),
-                                             weights=self.weights)
+                                             self.weights)
         self.rewards = as_reward_specs(reward_fns if reward_fns is not None else
                                        list(zip(cfg.reward_functions, cfg.reward_weights)), template=cfg.prompt_template)
         if cfg.reward_isolation == "process": start_reward_workers(self.rewards)   # they boot while the rest loads
@@ -319,8 +383,3 @@ class RLTrainer(Trainer):
 def train_rl(cfg: RLConfig, *, progress: bool = True, reward_fns=None) -> dict:
     "Run (or resume) RL as configured; returns the final metrics."
     return RLTrainer(cfg, reward_fns=reward_fns).fit(progress=progress)
-
-# %% ../nbs/15_rl.ipynb
-def main(argv=None) -> int:
-    "`maxpost rl [base.yml] key=value ...`"
-    return train_command("rl", train_rl, argv)

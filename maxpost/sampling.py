@@ -13,12 +13,13 @@ import jax.numpy as jnp
 from flax import nnx
 from .model import Decoder, after, grow_cache, init_cache, plus_zero, zero_of
 from .sharding import active_mesh, constrain, logical_spec
-from .sft_loss import LOGITS_CHUNK_SIZE, chunk_length, join_chunks, split_chunks, token_logps
+from .model import LOGITS_CHUNK_SIZE, chunk_length, join_chunks, split_chunks, token_logps
 
 # %% auto 0
 __all__ = ['bucket_length', 'left_pad', 'prompt_positions', 'filter_logits', 'draw_categorical', 'first_argmax', 'sample_token',
            'scaled_logps', 'scaled_entropy', 'prefill', 'decode_chunk', 'decode', 'repeat_rows', 'sample_completions',
-           'stop_id_array', 'Rollout', 'generate', 'chunked_logps', 'completion_logps']
+           'stop_id_array', 'Rollout', 'generate', 'chunked_logps', 'completion_logps', 'split_groups', 'merge_groups',
+           'make_logps_fn']
 
 # %% ../nbs/10_sampling.ipynb
 def bucket_length(n: int, max_prompt_length: int, min_bucket: int = 16) -> int:
@@ -313,3 +314,30 @@ def _shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids, g: int
     positions = prompt_mask.sum(1, keepdims=True) + jnp.arange(T - 1, dtype=jnp.int32)[None]
     rest, _ = model(completion_ids[:, :-1], positions, jnp.ones_like(positions), cache=cache, return_hidden=True)
     return jnp.concatenate([last, rest], 1)
+
+# %% ../nbs/10_sampling.ipynb
+def split_groups(batch: dict, parts: int, num_generations: int) -> dict:
+    "[B, ...] leaves -> [parts, B // parts, ...]: part j holds groups j, j + parts, ... (whole groups of `num_generations` rows)."
+    def cut(x):
+        g = x.shape[0] // num_generations
+        x = x.reshape(g // parts, parts, num_generations, *x.shape[1:]).swapaxes(0, 1)
+        return x.reshape(parts, (g // parts) * num_generations, *x.shape[3:])
+    return jax.tree.map(cut, batch)
+
+def merge_groups(x: jax.Array, num_generations: int) -> jax.Array:
+    "The inverse of `split_groups` for one array: [parts, B // parts, ...] -> [B, ...]."
+    parts, rows = x.shape[:2]
+    x = x.reshape(parts, rows // num_generations, num_generations, *x.shape[2:]).swapaxes(0, 1)
+    return x.reshape(parts * rows, *x.shape[3:])
+
+# %% ../nbs/10_sampling.ipynb
+def make_logps_fn(graphdef, temperature: float, num_generations: int = 1, parts: int = 1,
+                  chunk_size: int | None = LOGITS_CHUNK_SIZE):
+    "Jitted teacher-forced log-probs `(params, rest, batch) -> [B,T]` of the batch's completions, `parts` micro-batches of whole groups at a time."
+    def logps(params, rest, b):
+        model = nnx.merge(graphdef, params, rest)
+        one = lambda m: completion_logps(model, m["prompt_ids"], m["prompt_mask"], m["completion_ids"],
+                                         m["completion_mask"], temperature, num_generations, chunk_size=chunk_size)
+        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+        return merge_groups(jax.lax.map(one, split_groups({k: b[k] for k in keys}, parts, num_generations)), num_generations)
+    return jax.jit(logps)

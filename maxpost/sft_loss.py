@@ -7,19 +7,12 @@ from __future__ import annotations
 from functools import partial
 import jax
 import jax.numpy as jnp
-from .model import Decoder, plus_zero, zero_of
+from .model import (Decoder, plus_zero, zero_of, token_logps, LOGITS_CHUNK_SIZE, split_chunks, join_chunks,
+                           chunk_length)
 from .sharding import constrain
 
 # %% auto 0
-__all__ = ['LOGITS_CHUNK_SIZE', 'token_logps', 'target_weights', 'is_top1', 'sft_loss', 'summarize_metrics', 'split_chunks',
-           'join_chunks', 'chunk_length', 'chunked_sft_loss', 'model_sft_loss']
-
-# %% ../nbs/07_sft_loss.ipynb
-def token_logps(logits_btv: jax.Array, tokens_bt: jax.Array) -> jax.Array:
-    "Log-probabilities (float32) of `tokens_bt` under `logits_btv`, by a gather over the log-softmax."
-    logits_btv = logits_btv.astype(jnp.float32)
-    picked_bt = jnp.take_along_axis(logits_btv, tokens_bt[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return picked_bt - jax.nn.logsumexp(logits_btv, axis=-1)
+__all__ = ['target_weights', 'is_top1', 'sft_loss', 'summarize_metrics', 'chunked_sft_loss', 'model_sft_loss']
 
 # %% ../nbs/07_sft_loss.ipynb
 def target_weights(batch: dict) -> jax.Array:
@@ -65,26 +58,6 @@ def summarize_metrics(metrics: dict) -> dict:
     n = jnp.maximum(metrics["num_loss_tokens"], 1.0)
     return {"loss": metrics["loss"], "nll": metrics["nll_sum"] / n, "mean_token_accuracy": metrics["num_correct"] / n,
             "num_loss_tokens": metrics["num_loss_tokens"]}
-
-# %% ../nbs/07_sft_loss.ipynb
-LOGITS_CHUNK_SIZE = 1024   # tokens a chunk: [1024, V] float32 logits, 0.6 GB at V = 151,936, 32 MB at 8,192
-
-def split_chunks(x: jax.Array, chunk_len: int) -> jax.Array:
-    "[B,T,...] -> [n,B,chunk_len,...]: the chunks of positions a scan walks over; T zero-padded to n * chunk_len."
-    b, t = x.shape[:2]
-    n = -(-t // chunk_len)
-    x = jnp.pad(x, [(0, 0), (0, n * chunk_len - t)] + [(0, 0)] * (x.ndim - 2))
-    return x.reshape(b, n, chunk_len, *x.shape[2:]).swapaxes(0, 1)
-
-def join_chunks(x: jax.Array, t: int) -> jax.Array:
-    "Inverse of `split_chunks`: [n,B,chunk_len,...] -> [B,t,...]."
-    n, b, c = x.shape[:3]
-    return x.swapaxes(0, 1).reshape(b, n * c, *x.shape[3:])[:, :t]
-
-# %% ../nbs/07_sft_loss.ipynb
-def chunk_length(chunk_size: int, rows: int) -> int:
-    "Positions a chunk of `chunk_size` tokens holds of each of `rows` rows (at least 1)."
-    return max(1, chunk_size // rows)
 
 # %% ../nbs/07_sft_loss.ipynb
 def _ce_chunk(h_btd, w_vd, targets_bt, weights_bt, z_loss: float, with_grad: bool):

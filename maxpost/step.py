@@ -9,16 +9,20 @@ from typing import Callable
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
 
-from .lora import adapters_off
-from .train import all_finite
+from .policy import TrainableWeights
 
 # %% auto 0
-__all__ = ['split_micro_batches', 'make_update_step', 'ReferencePolicy']
+__all__ = ['split_micro_batches', 'all_finite', 'make_update_step', 'ReferencePolicy']
 
 # %% ../nbs/08b_step.ipynb
 def split_micro_batches(batch: dict, accum: int) -> dict:
     "[B, L] leaves -> [accum, B // accum, L]; micro-batch j holds rows j, j + accum, j + 2 accum, ..."
     return jax.tree.map(lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1), batch)
+
+# %% ../nbs/08b_step.ipynb
+def all_finite(tree) -> jax.Array:
+    "True when every element of every array in `tree` is finite (one fused reduction inside jit)."
+    return jax.tree.reduce(lambda ok, x: ok & jnp.isfinite(x).all(), tree, jnp.array(True))
 
 # %% ../nbs/08b_step.ipynb
 def make_update_step(graphdef, tx: optax.GradientTransformation, micro_loss: Callable, *, accum: int = 1,
@@ -46,12 +50,9 @@ def make_update_step(graphdef, tx: optax.GradientTransformation, micro_loss: Cal
 
 # %% ../nbs/08b_step.ipynb
 class ReferencePolicy:
-    "π_ref: the trainable weights as they were at the start (a copy; under LoRA the adapters off, sharing the frozen base) and their log-probs through `logps_fn(params, rest, batch)`."
-    def __init__(self, params, rest, logps_fn: Callable, *, lora: bool = False, weights=None):
-        "`weights` (a `maxpost.weights.TrainableWeights`, as a `Trainer` holds) decides copy or adapters off; without it, `lora` does."
-        if weights is not None: lora, self.params = weights.lora, weights.reference_params(params)
-        else: self.params = adapters_off(params) if lora else jax.tree.map(jnp.copy, params)
-        self.rest, self.logps_fn, self.lora = rest, logps_fn, lora
+    "π_ref: the trainable weights as they were at the start, as `weights` keeps them (a copy; under LoRA the adapters off, sharing the frozen base), and their log-probs through `logps_fn(params, rest, batch)`."
+    def __init__(self, params, rest, logps_fn: Callable, weights: TrainableWeights):
+        self.params, self.rest, self.logps_fn, self.lora = weights.reference_params(params), rest, logps_fn, weights.lora
 
     def logps(self, batch):
         "The reference's log-probs of `batch` (whatever `logps_fn` returns for it)."

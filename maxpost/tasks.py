@@ -7,13 +7,15 @@ __all__ = ['NAMES', 'ITEMS', 'SYSTEM_PROMPT', 'TASK_FILES', 'SHORTCUT_SHARE', 'H
            'IM_END', 'UNK', 'TAGS', 'CHAT_TEMPLATE', 'PRE_TOKENIZER_PATTERN', 'MAX_VOCAB', 'TASK_VERSION', 'Difficulty',
            'generate_problem', 'generate_problems', 'make_splits', 'prompt_messages', 'format_completion',
            'is_answer_only', 'skip_last_step', 'sft_messages', 'write_embedded_task', 'tokenizer_corpus',
-           'build_tokenizer', 'prepare_embedded']
+           'build_tokenizer', 'prepare_embedded', 'embedded_task_dir', 'prepare_embedded_task', 'embedded_split',
+           'check_held_out']
 
 # %% ../nbs/05_tasks.ipynb
 import json, os, random, re, string
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .config import ConfigError, RunConfig, TrainConfig, eval_source
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 # %% ../nbs/05_tasks.ipynb
@@ -246,3 +248,42 @@ def prepare_embedded(directory, *, seed: int = 0, n_train: int = 20_000, n_test:
     build_tokenizer(directory)
     tmp = manifest.with_name(f"embedded.json.tmp{os.getpid()}"); tmp.write_text(json.dumps(record, indent=1)); os.replace(tmp, manifest)
     return paths
+
+# %% ../nbs/05_tasks.ipynb
+def embedded_task_dir(cfg: RunConfig) -> Path:
+    "Where the embedded task and its tokenizer live for runs under `cfg.base_output_directory`."
+    return Path(os.path.expanduser(cfg.base_output_directory)) / "embedded_task"
+
+def prepare_embedded_task(cfg: RunConfig) -> dict[str, str]:
+    "`tasks.prepare_embedded` into `embedded_task_dir(cfg)`, a failed write (full disk, no permission) as one `ConfigError` naming the directory."
+    d = embedded_task_dir(cfg)
+    try: return prepare_embedded(d, seed=cfg.seed)
+    except OSError as e:
+        raise ConfigError(f"could not write the embedded task (about 15 MB) into {d}: {e.strerror or e} "
+                          f"({e.filename or d}); free space there or set base_output_directory= to a writable "
+                          "directory with room") from None
+
+# %% ../nbs/05_tasks.ipynb
+def embedded_split(cfg: RunConfig, split: str, prefix: str = "") -> tuple[str, str]:
+    "`(file, split)` of the embedded task for `split`: its train file for the training split's name, else its test file (a slice carries over); `prefix='sft_'` for the SFT conversations."
+    paths = prepare_embedded_task(cfg)
+    name = split.split("[")[0]
+    train = cfg.train_split if isinstance(cfg, TrainConfig) else "train"   # evaluation has no training split of its own
+    which = "train" if name == train.split("[")[0] else "test"
+    return str(paths[prefix + which]), "train" + split[len(name):]
+
+# %% ../nbs/05_tasks.ipynb
+def _rows_of(cfg: RunConfig, source: str, split: str) -> tuple:
+    "`(source, split, dataset_config)` naming rows, the embedded task's file for `source=\"\"`."
+    return (*embedded_split(cfg, split), "") if not source else (source, split, cfg.dataset_config)
+
+def check_held_out(cfg: TrainConfig) -> None:
+    "Refuse an evaluation split that shares rows with the training split (unless `eval_on_train`)."
+    from maxpost.data import same_rows
+    if cfg.eval_on_train: return
+    train, held_out = _rows_of(cfg, cfg.dataset_name, cfg.train_split), _rows_of(cfg, eval_source(cfg), cfg.eval_split)
+    if same_rows(train, held_out):
+        raise ConfigError(f"eval_split={cfg.eval_split!r} of {eval_source(cfg) or 'the embedded task'} shares rows with "
+                          f"train_split={cfg.train_split!r}: the held-out numbers would be training numbers. Set "
+                          "eval_split= to a held-out split, eval_dataset_name= to a held-out file, or eval_on_train=true "
+                          "to evaluate on the training data on purpose")

@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_train.ipynb 4
 from __future__ import annotations
-import dataclasses, fcntl, json, math, os, shutil, signal, socket, sys, time
+import dataclasses, json, math, os, shutil, signal, sys, time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -12,26 +12,20 @@ import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
 from omegaconf import OmegaConf
 
-from .config import RunConfig, TrainConfig, ConfigError, load_config, resumable_keys, run_dir, to_yaml
-from . import sharding, tasks, model as mm
+from .config import (RunConfig, TrainConfig, ConfigError, REMAT_POLICIES, derived_defaults, effective_config,
+                            kind_of, resumable_keys, run_dir, to_yaml)
 from .checkpoint import checkpoint_manager, save_limit_gb, save_state, restore_state
-from .setup import (make_run_mesh, model_options, set_model_options, model_config_for, is_hf_dir, find_run_checkpoint,
-                           read_model_config, load_policy, lora_options, attach_adapters, check_lora_base,
-                           lora_run_config, load_lora_run, embedded_task_dir, embedded_split, eval_source,
-                           check_held_out, tokenizer_dir, check_vocab, effective_config, Setup, setup_run, RunLocked, RunLock,
-                           read_metrics, MetricsLogger, as_scalar, split_base, run_command)
-from .weights import TrainableWeights, trainable_weights
+from .policy import (Setup, TrainableWeights, command_config, model_options, read_model_config, set_model_options,
+                            setup_run, trainable_weights)
+from .rundir import RunLock, MetricsLogger, as_scalar
 
 # %% auto 0
-__all__ = ['LR_SCHEDULES', 'PEAK_BF16_FLOPS', 'REMAT_CHOICES', 'make_schedule', 'make_optimizer', 'on_mesh', 'init_opt_state',
-           'all_finite', 'check_finite', 'config_changes', 'check_resume', 'precheck_run_dir', 'RunCheckpoints',
-           'StopSignal', 'RunStopped', 'flops_per_token', 'device_peak_flops', 'StepCompiler', 'memory_needed',
-           'device_memory', 'MemoryShortfall', 'check_memory', 'Trainer', 'held_out_table', 'print_summary',
-           'train_command']
+__all__ = ['PEAK_BF16_FLOPS', 'make_schedule', 'make_optimizer', 'on_mesh', 'init_opt_state', 'check_finite', 'config_changes',
+           'check_resume', 'precheck_run_dir', 'RunCheckpoints', 'StopSignal', 'RunStopped', 'flops_per_token',
+           'device_peak_flops', 'StepCompiler', 'memory_needed', 'device_memory', 'MemoryShortfall', 'check_memory',
+           'Trainer', 'print_summary', 'train_command']
 
 # %% ../nbs/08_train.ipynb
-LR_SCHEDULES = ("cosine", "linear", "constant")
-
 def make_schedule(cfg: TrainConfig) -> optax.Schedule:
     "Learning rate per step: warmup to `learning_rate`, then `lr_schedule` down to 10% of it at `steps`."
     peak, warm, total = cfg.learning_rate, max(cfg.warmup_steps, 0), cfg.steps
@@ -67,11 +61,6 @@ def init_opt_state(tx: optax.GradientTransformation, params, mesh):
     layout = optax.tree_map_params(tx, lambda s, p: p.sharding, jax.eval_shape(tx.init, params), params,
                                    transform_non_params=lambda s: NamedSharding(mesh, PartitionSpec()))
     return jax.jit(tx.init, out_shardings=layout)(params)
-
-# %% ../nbs/08_train.ipynb
-def all_finite(tree) -> jax.Array:
-    "True when every element of every array in `tree` is finite (one fused reduction inside jit)."
-    return jax.tree.reduce(lambda ok, x: ok & jnp.isfinite(x).all(), tree, jnp.array(True))
 
 # %% ../nbs/08_train.ipynb
 def check_finite(step: int, loss: float, params_finite, latest_checkpoint: int | None, where) -> None:
@@ -277,19 +266,17 @@ def check_memory(label: str, compiled, knobs: str) -> str:
     return line
 
 # %% ../nbs/08_train.ipynb
-REMAT_CHOICES = ("auto", *mm.REMAT_POLICIES)   # what a config may say (chapter 02_model orders the policies by memory)
-
-# %% ../nbs/08_train.ipynb
 class Trainer:
     "The train state and the loop SFT and RL share; a subclass defines `train_step`, `evaluate` and its data state."
     kind, eval_at_start, summary_keys = "train", False, ("loss",)
     progress_keys = ("loss",)   # the metrics the progress bar shows; a kind adds its own (eval_loss, reward, pass@1)
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, setup: Setup | None = None):
+        "`setup` (chapter `07b_policy`): the mesh, tokenizer and models the command built; default `setup_run(cfg)`, the policy alone."
         precheck_run_dir(cfg)
-        self.cfg, s = cfg, setup_run(cfg)
+        self.cfg, s = cfg, setup if setup is not None else setup_run(cfg)
         self.mesh, self.tokenizer, self.tok_dir, self.model_cfg = s.mesh, s.tokenizer, s.tokenizer_dir, s.model.cfg
-        self.weights: TrainableWeights = trainable_weights(cfg, self.mesh)   # every weight, or LoRA (07c_weights)
+        self.weights: TrainableWeights = trainable_weights(cfg, self.mesh)   # every weight, or LoRA (07b_policy)
         self.graphdef, self.params, self.rest = self.weights.split(s.model)
         self.tx, self.schedule = make_optimizer(cfg), make_schedule(cfg)
         self.opt_state = init_opt_state(self.tx, self.params, self.mesh)
@@ -329,7 +316,7 @@ class Trainer:
         while True:
             try: return getattr(self, name)(*args)
             except MemoryShortfall as e:
-                policies, now = mm.REMAT_POLICIES, self.model_cfg.remat
+                policies, now = REMAT_POLICIES, self.model_cfg.remat
                 if self.cfg.remat_policy != "auto" or now == policies[-1]: raise
                 nxt = policies[policies.index(now) + 1]
                 if jax.process_index() == 0: print(f"memory: remat {now!r} does not fit ({e}); trying {nxt!r}", file=sys.stderr)
@@ -395,25 +382,17 @@ def _fit(tr: Trainer, progress: bool) -> dict:
     return {"step": tr.step, **{k: last[k] for k in tr.summary_keys if k in last}, **final}
 
 # %% ../nbs/08_train.ipynb
-def held_out_table(directory) -> str | None:
-    "The held-out generation metrics (pass@1, pass@k, maj@k, format rate) of a run's first and last evaluation side by side, or None when it has fewer than two."
-    evals = [r for r in read_metrics(directory, "eval") if "pass@1" in r]
-    if len(evals) < 2: return None
-    first, last = evals[0], evals[-1]
-    keys = [k for k in last if k in first and (k.startswith(("pass@", "maj@")) or k == "format_rate")]
-    n = last.get("num_prompts")
-    lines = [f"held-out{f' ({n} problems)' if n else ''}: step {first['step']} -> step {last['step']}"]
-    return "\n".join(lines + [f"  {k:<12} {100 * first[k]:5.1f} % -> {100 * last[k]:5.1f} %" for k in keys])
-
-def print_summary(out: dict, cfg: RunConfig) -> None:
-    "One line of final metrics, the held-out table from the first evaluation to the last (RL starts with one), and where the run wrote."
+def print_summary(out: dict, cfg: RunConfig, *lines: str | None) -> None:
+    "One line of final metrics, then the kind's own `lines` (those that are not None), then where the run wrote."
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in out.items() if k != "kind"))
-    table = held_out_table(run_dir(cfg)) if jax.process_index() == 0 else None
-    if table: print(table)
+    for line in lines:
+        if line: print(line)
     print(f"run directory: {run_dir(cfg)}")
 
-def train_command(kind: str, train, argv=None) -> int:
-    "`maxpost sft|rl|dpo`: the config from `argv`, `train(cfg)`, then the summary; exit code 0."
-    cfg, out = run_command(kind, train, argv)
-    print_summary(out, cfg)
+def train_command(kind, argv=None, *, report=None) -> int:
+    "`maxpost <kind> [base.yml] key=value ...` for a training kind: its config, its trainer's `fit`, the summary with the lines `report(cfg, out)` returns; exit code 0."
+    kind = kind_of(kind)
+    cfg = command_config(kind, argv)
+    out = kind.trainer(cfg).fit()
+    print_summary(out, cfg, *(report(cfg, out) if report is not None else ()))
     return 0

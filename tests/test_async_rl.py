@@ -10,7 +10,7 @@ from maxpost.config import load_config, ConfigError
 from maxpost import sharding
 from maxpost.rl import RLTrainer, SamplerEngine
 from maxpost.async_rl import AsyncRLTrainer, RolloutProducer
-from maxpost.setup import read_metrics
+from maxpost.rundir import read_metrics
 
 from rewards_for_tests import length_reward   # rewards that differ within a group: the policy moves every step
 

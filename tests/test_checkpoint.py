@@ -232,7 +232,7 @@ def test_run_config_reaches_a_hugging_face_model(saved, tmp_path):
     """`dtype` (compute), `param_dtype` and `remat_policy` of a run apply to a model loaded from a Hugging Face
     directory: float32 weights computing in bfloat16 give logits other than float32 compute, close to them."""
     from maxpost.config import load_config
-    from maxpost.setup import load_policy
+    from maxpost.policy import load_policy
     family, path, hf = saved
     cfg = load_config("sft", [f"base_output_directory={tmp_path}", "run_name=x", f"load_parameters_path={path}",
                               "dtype=bfloat16", "param_dtype=float32", "remat_policy=full"])
@@ -417,7 +417,7 @@ def test_a_symlinked_checkpoint_step_is_never_deleted_through_and_the_run_resume
     import shutil
     from maxpost.config import load_config
     from maxpost.sft import train_sft
-    from maxpost.setup import read_metrics
+    from maxpost.rundir import read_metrics
     args = [f"base_output_directory={tmp_path}", "run_name=r", "train_split=train[:64]", "eval_split=test[:8]",
             "global_batch_size=8", "max_target_length=160", "eval_batches=1", "warmup_steps=0", "log_period=2",
             "checkpoint_period=2", "max_checkpoints_to_keep=2"]

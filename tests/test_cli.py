@@ -224,8 +224,8 @@ def test_each_command_lists_its_keys_with_type_default_and_help():
     """issue 31, items 10 and 11: `maxpost sft --help` (rl, eval, config) lists every key of the command's config class
     with its type, default and one line; `maxpost config` says the same as comments; `maxpost --help` reads 128+N."""
     from dataclasses import fields
-    from maxpost.config import CONFIG_CLASSES
-    for command, cls in CONFIG_CLASSES.items():
+    from maxpost.config import KINDS
+    for command, cls in ((k.name, k.config) for k in KINDS.values()):
         for args in ([command, "--help"], *([["config", command, "-h"]] if command == "rl" else [])):
             r = cli(*args)
             assert r.returncode == 0, r.stderr[-2000:]
@@ -285,7 +285,7 @@ def test_an_adapter_names_a_base_peft_loads_from_anywhere(tmp_path):
     from flax import nnx
     from maxpost.checkpoint import load_hf
     from maxpost.lora import add_lora, save_adapter
-    from maxpost.setup import adapter_base
+    from maxpost.policy import adapter_base
     hf = tiny_hf_dir(tmp_path)
     cfg = load_config("sft", [f"load_parameters_path={os.path.relpath(hf)}", "lora_rank=4"])
     model = add_lora(load_hf(hf), rank=4, alpha=8.0, seed=1)

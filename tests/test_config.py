@@ -2,7 +2,9 @@
 import subprocess, sys
 from pathlib import Path
 import pytest
-from maxpost.config import load_config, ConfigError, SFTConfig, RLConfig, to_yaml, run_dir
+from maxpost.config import load_config, ConfigError, to_yaml, run_dir
+from maxpost.sft import SFTConfig
+from maxpost.rl import RLConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -131,7 +133,7 @@ def test_greedy_only_evaluation_is_reachable():
 
 def test_each_command_has_only_its_keys():
     from dataclasses import fields
-    from maxpost.config import EvalConfig
+    from maxpost.evaluate import EvalConfig
     names = lambda c: {f.name for f in fields(c)}
     assert not {"learning_rate", "steps", "save_hf", "gradient_accumulation_steps"} & names(EvalConfig)
     assert not {"num_generations", "temperature", "eval_k"} & names(SFTConfig)
@@ -140,11 +142,14 @@ def test_each_command_has_only_its_keys():
 
 def test_choice_lists_come_from_their_owners():
     from maxpost.config import choices
-    from maxpost import policy_loss, advantages, rl, train
+    from maxpost import policy_loss, advantages, rl, data, attention, model, config
     assert choices("loss_algo") == policy_loss.LOSS_ALGOS and choices("kl_estimator") == policy_loss.KL_ESTIMATORS
     assert set(policy_loss.LOSS_AGG_MODES) <= set(choices("loss_agg_mode"))
     assert choices("advantage_scale") == advantages.SCALES and choices("rollout_engine") == tuple(rl.ROLLOUT_ENGINES)
-    assert choices("lr_schedule") == train.LR_SCHEDULES
+    assert choices("data_format") == data.DATA_FORMATS and choices("train_on") == data.TRAIN_ON
+    # the shared keys' words are the objects their chapters interpret
+    assert choices("attention") is attention.ATTENTION_IMPLEMENTATIONS and choices("lr_schedule") is config.LR_SCHEDULES
+    assert choices("remat_policy")[1:] == model.REMAT_POLICIES
 
 
 def _old_run(tmp_path, cfg, steps=(2,)):

@@ -53,7 +53,7 @@ from flax import nnx
 from maxpost.config import load_config
 from maxpost.dpo import DPOTrainer, make_dpo_loss, preference_options
 from maxpost.sampling import completion_logps
-from maxpost.setup import read_metrics
+from maxpost.rundir import read_metrics
 from maxpost.checkpoint import checkpoint_manager, restore_state, hf_state_dict
 from maxpost.model import create_model, get_model_config
 

@@ -270,8 +270,8 @@ def test_format_table_aligns_rows_and_columns():
 
 def _cmd(command, module):
     "`python -m maxpost.cli <command>`, or the module's main directly while the CLI does not list the command yet."
-    from maxpost.cli import COMMANDS
-    if command in COMMANDS: return [sys.executable, "-m", "maxpost.cli", command]
+    from maxpost.cli import commands
+    if command in commands(): return [sys.executable, "-m", "maxpost.cli", command]
     return [sys.executable, "-c", f"import sys; from {module} import main; raise SystemExit(main(sys.argv[1:]))"]
 
 

@@ -21,11 +21,22 @@ def book_order(nbs: Path = NBS) -> list[str]:
     return order
 
 
+def _named_module(s, package: str) -> str | None:
+    "The module a string names as `package.mod` or `package.mod:NAME` (what `importlib` would load), else None."
+    m = re.fullmatch(rf"{package}\.(\w+)(\.\w+)*(:\w+)?", s) if isinstance(s, str) else None
+    return m.group(1) if m else None
+
+
 def imported_modules(source: str, package: str = "maxpost") -> set[str]:
-    "The `package` modules that `source` imports anywhere (top level or inside functions), absolute or relative."
+    "The `package` modules that `source` imports anywhere (top level or inside functions), absolute or relative, and those it names for a later import: `importlib.import_module(...)` / `__import__(...)` calls and `\"package.mod:NAME\"` strings."
     out = set()
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Constant) and (m := _named_module(node.value, package)): out.add(m)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) and (
+                getattr(node.func, "attr", None) == "import_module" or getattr(node.func, "id", None) in ("import_module", "__import__")):
+            if (m := _named_module(str(node.args[0].value), package)): out.add(m)
+            elif node.args[0].value == package or str(node.args[0].value).startswith("."): out.add(str(node.args[0].value).lstrip("."))
+        elif isinstance(node, ast.Import):
             out |= {a.name.split(".")[1] for a in node.names if a.name.startswith(package + ".")}
         elif isinstance(node, ast.ImportFrom):
             if node.level == 1 and node.module: out.add(node.module.split(".")[0])
@@ -51,6 +62,19 @@ def test_imports_parse_every_form():
     src = ("from .a import x\nfrom . import b, c\nimport maxpost.d\nfrom maxpost.e import y\nfrom maxpost import f\n"
            "def g():\n    from maxpost.h import z\n    import os\n")
     assert imported_modules(src) == set("abcdefh")
+    named = ('import importlib\nx = importlib.import_module("maxpost.rl")\ny = key(choices="maxpost.model:WORDS")\n'
+             'z = "see maxpost.lora.add_lora in the docs"\n')
+    assert imported_modules(named) == {"rl", "model"}    # prose that mentions a module is not an import
+
+
+def test_a_climbing_import_is_caught(tmp_path):
+    "The check fails on an arrow back up the book, in each of the forms it reads (planted in a copy of two modules)."
+    order = book_order()
+    low, high = order[0], order[-1]
+    for form in (f"from maxpost.{high} import main", f"import importlib\nimportlib.import_module('maxpost.{high}')",
+                 f"WORDS = 'maxpost.{high}:KINDS'"):
+        (tmp_path / f"{low}.py").write_text(form + "\n")
+        assert climbing_imports(tmp_path, order) == [f"{low} (0) imports {high} ({len(order) - 1})"], form
 
 
 def test_book_order_covers_every_module():
@@ -63,3 +87,11 @@ def test_book_order_covers_every_module():
 def test_no_import_climbs_back():
     bad = climbing_imports()
     assert not bad, "imports that climb back up the book (move the code, or the name, to the earlier chapter):\n" + "\n".join(bad)
+
+
+def test_kinds_are_found_below_the_cli():
+    "`maxpost.cli` imports the kind modules it finds by reading the package (a new kind is one module, named nowhere): each is an arrow cli -> kind, so every kind's chapter comes before the cli's."
+    from maxpost.cli import kind_modules
+    order, kinds = book_order(), kind_modules()
+    assert {"sft", "async_rl", "dpo", "evaluate"} <= set(kinds), kinds
+    assert all(order.index(k) < order.index("cli") for k in kinds), [k for k in kinds if order.index(k) >= order.index("cli")]

@@ -9,7 +9,7 @@ from flax import nnx
 
 from maxpost.config import load_config, run_dir, ConfigError
 from maxpost.checkpoint import load_hf, checkpoint_manager, restore_state
-from maxpost.setup import attach_adapters
+from maxpost.policy import attach_adapters
 from maxpost.lora import add_lora, load_adapter, merge_lora, split_adapters, LORA_TARGETS
 from maxpost.model import get_model_config, create_model
 from maxpost import sharding
@@ -230,7 +230,7 @@ def test_fresh_adapters_leave_the_model_unchanged():
 
 
 def test_the_loop_and_the_kinds_do_not_branch_on_lora():
-    "LoRA is the business of `Trainer.weights` (chapter 07c_weights): the loop, resume, export and the RL reference ask it."
+    "LoRA is the business of `Trainer.weights` (chapter 07b_policy): the loop, resume, export and the RL reference ask it."
     import inspect
     from maxpost import train, rl, sft, dpo
     for fn in (train.Trainer.__init__, train._resume, train._fit, rl.RLTrainer.__init__, rl.RLTrainer._update,

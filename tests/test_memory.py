@@ -14,7 +14,8 @@ from flax import nnx
 
 from maxpost.model import Decoder, get_model_config, REMAT_POLICIES
 from maxpost.sampling import completion_logps
-from maxpost.sft_loss import LOGITS_CHUNK_SIZE, model_sft_loss
+from maxpost.model import LOGITS_CHUNK_SIZE
+from maxpost.sft_loss import model_sft_loss
 
 
 def sft_grad_temp_bytes(cfg, batch: int, seq: int, *, chunk_size: int | None = LOGITS_CHUNK_SIZE) -> int:

@@ -8,7 +8,7 @@ from flax import nnx
 
 from maxpost.config import load_config, run_dir, ConfigError
 from maxpost.rl import RLTrainer, train_rl
-from maxpost.setup import read_metrics
+from maxpost.rundir import read_metrics
 from maxpost.checkpoint import checkpoint_manager, restore_state
 from maxpost.model import create_model, get_model_config
 
@@ -163,7 +163,7 @@ def test_every_rl_key_is_read_by_the_run(tmp_path):
     export), then one step of the asynchronous loop (max_staleness = 1, whose keys only it reads), record which fields
     of their config the code reads outside the config's own validation and serialisation; every field must be among them. (`refused` lists keys that are only checked, never read, by design.)"""
     from dataclasses import fields
-    from maxpost.config import RLConfig
+    from maxpost.rl import RLConfig
     names, read = {f.name for f in fields(RLConfig)}, set()
 
     class Tracked(RLConfig):

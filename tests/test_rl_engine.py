@@ -7,7 +7,7 @@ from flax import nnx
 from maxpost.config import load_config, run_dir
 from maxpost.rl import RLTrainer, RolloutEngine
 from maxpost.sampling import Rollout
-from maxpost.setup import read_metrics
+from maxpost.rundir import read_metrics
 from rewards_for_tests import starts_with_seven
 
 GOOD, BAD = "7", "3 + 4"     # generation g of each prompt replies GOOD when g is even, BAD when odd

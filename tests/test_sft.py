@@ -11,7 +11,7 @@ from maxpost.model import get_model_config, create_model
 from maxpost.sft import make_sft_step, train_sft
 from maxpost.sft_loss import sft_loss
 from maxpost.train import make_optimizer
-from maxpost.setup import read_metrics
+from maxpost.rundir import read_metrics
 from maxpost.checkpoint import checkpoint_manager, restore_state
 from maxpost import sharding
 
@@ -254,8 +254,8 @@ def test_resume_refuses_a_changed_run_and_records_allowed_changes(tmp_path):
 def test_a_second_process_on_the_same_run_is_refused(tmp_path):
     """issue 21, item 10: an exclusive lock on the run directory; the second process exits 4 naming the first, and
     a killed holder's lock is taken over."""
-    from maxpost.setup import RunLock, RunLocked
-    holder = subprocess.Popen([sys.executable, "-c", f"from maxpost.train import RunLock\nimport time\n"
+    from maxpost.rundir import RunLock, RunLocked
+    holder = subprocess.Popen([sys.executable, "-c", f"from maxpost.rundir import RunLock\nimport time\n"
                                f"with RunLock({str(tmp_path / 'busy')!r}): print('held', flush=True); time.sleep(600)"],
                               stdout=subprocess.PIPE, text=True)
     try:

@@ -166,7 +166,8 @@ def test_jit_matches_eager():
 
 from flax import nnx
 from maxpost.model import TunixPolicy, create_model, get_model_config
-from maxpost.sft_loss import LOGITS_CHUNK_SIZE, chunked_sft_loss, model_sft_loss
+from maxpost.model import LOGITS_CHUNK_SIZE
+from maxpost.sft_loss import chunked_sft_loss, model_sft_loss
 
 
 def _sft_batch(rng, B, L, V):

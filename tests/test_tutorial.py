@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from maxpost.train import read_metrics
+from maxpost.rundir import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 

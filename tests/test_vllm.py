@@ -241,7 +241,7 @@ def _rl_records(tmp_path, engine, *extra, name=None):
            "log_period=1", "checkpoint_period=100", *extra]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-4000:]
-    from maxpost.train import read_metrics
+    from maxpost.rundir import read_metrics
     return read_metrics(tmp_path / name, "train")
 
 
