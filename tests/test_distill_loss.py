@@ -23,6 +23,7 @@ with warnings.catch_warnings():
     from trl.experimental.gkd import GKDTrainer
 
 BETAS = (0.0, 0.5, 1.0)
+JSD_BETAS = (0.0, 0.3, 0.5, 1.0)     # 0.5 alone cannot tell the mixture's weights apart: 0.3 can
 TEMPERATURES = (1.0, 0.7, 2.0)
 
 
@@ -90,7 +91,7 @@ def test_on_policy_reverse_kl_equals_naive_full_vocabulary_kl(temperature):
 
 # ---- the generalized JSD against TRL's GKDTrainer.generalized_jsd_loss
 
-@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("beta", JSD_BETAS)
 @pytest.mark.parametrize("temperature", TEMPERATURES)
 def test_generalized_jsd_matches_trl(beta, temperature):
     h_s, w_s, h_t, w_t, mask = case(2, scale=1.5)
