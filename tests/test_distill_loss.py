@@ -312,16 +312,20 @@ def test_model_loss_and_gradient_chunked_with_shared_prompts_equal_the_logits_pa
 
 
 def test_model_topk_writer_feeds_the_offline_loss(models):
+    "The teacher's top-V (chunked, each group's prompt once) = from its logits; the offline loss from it = the online one."
     student, teacher, args = models
-    V = student.output_weights().shape[0]
-    lp, ids = completion_topk_logps(teacher, *args[:3], V, 0.8, num_generations=2, chunk_size=8)
-    lp_logits, ids_logits = completion_topk_logps(teacher, *args[:3], V, 0.8, chunk_size=None)
-    by_token = lambda lp, ids: np.take_along_axis(np.asarray(lp), np.argsort(np.asarray(ids), -1), -1)   # order of near-ties may differ
+    @nnx.jit
+    def run(student, teacher, args):
+        V = student.output_weights().shape[0]
+        lp, ids = completion_topk_logps(teacher, *args[:3], V, 0.8, num_generations=2, chunk_size=8)
+        by_logits = completion_topk_logps(teacher, *args[:3], V, 0.8, chunk_size=None)
+        h = completion_hidden(student, *args[:3])
+        offline = chunked_topk_distill_loss(h, student.output_weights(), lp, ids, args[3], temperature=0.8)[0]
+        return (lp, ids), by_logits, offline, completion_distill_loss(student, teacher, *args, temperature=0.8)[0]
+    (lp, ids), (lp_logits, ids_logits), offline, online = run(student, teacher, args)
+    by_token = lambda lp, ids: np.take_along_axis(np.asarray(lp), np.argsort(np.asarray(ids), -1), -1)   # near-ties may swap
     np.testing.assert_allclose(by_token(lp, ids), by_token(lp_logits, ids_logits), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(ids)[..., :8], np.asarray(ids_logits)[..., :8])
-    h = completion_hidden(student, *args[:3])
-    offline = chunked_topk_distill_loss(h, student.output_weights(), lp, ids, args[3], temperature=0.8)[0]
-    online = completion_distill_loss(student, teacher, *args, temperature=0.8)[0]
     np.testing.assert_allclose(offline, online, rtol=1e-5)
 
 
