@@ -12,7 +12,8 @@ test compares maxpost and transformers on the same numbers. Needs `pip install -
     python bench/real_model_setup.py [DEST]      # default .cache/smollm2-135m-instruct
 
 `build_smollm2(dest)` is idempotent and safe under concurrent callers (pytest-xdist workers): one caller builds under
-a file lock into a temporary directory renamed into place when complete; the others wait and reuse it.
+a file lock (`maxpost convert` writes a temporary directory and renames it into place, replacing an unfinished
+build), then marks it complete; the others wait and reuse it.
 """
 from __future__ import annotations
 import argparse, fcntl, os, shutil, subprocess, sys, tempfile, zipfile
@@ -70,14 +71,8 @@ def build_smollm2(dest: str | Path = DEFAULT_DEST, *, wheel_dir: str | Path = WH
         fcntl.flock(lock, fcntl.LOCK_EX)                   # one builder; the others wait here, then find it done
         if (dest / DONE).exists(): return dest
         gguf = smollm2_gguf(Path(wheel_dir))
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-        try:
-            _convert(gguf, tmp)
-            (tmp / DONE).write_text(f"{PACKAGE}=={VERSION} {GGUF}\n")
-            if dest.exists(): shutil.rmtree(dest)          # an unfinished build (no DONE) from a killed run
-            os.rename(tmp, dest)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        _convert(gguf, dest)                               # written aside and renamed into place by maxpost convert
+        (dest / DONE).write_text(f"{PACKAGE}=={VERSION} {GGUF}\n")
     return dest
 
 
