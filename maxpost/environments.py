@@ -349,7 +349,7 @@ def _advance(e: _Episode, turn: int, ids, logps, tokenizer, eos: set, max_episod
     room = max_episode_tokens - len(e.ids)
     ids, logps = [int(t) for t in ids[:room]], [float(x) for x in logps[:room]]
     e.ids += ids; e.mask += [1] * len(ids); e.logps += logps; e.turn_ids += [turn] * len(ids); e.turns += 1
-    stopped = bool(ids) and ids[-1] in eos and len(ids) <= room
+    stopped = bool(ids) and ids[-1] in eos   # no stop id: max_turn_tokens reached, or cut at the budget
     text = tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
     e.messages.append({"role": "assistant", "content": text})
     if not stopped: e.done = e.truncated = True; return          # the turn hit max_turn_tokens or the episode's budget
