@@ -381,6 +381,7 @@ def _dumps(fn) -> bytes:
 class _Worker:
     "One reward function in a Python process of its own; a call past its time limit ends with the process."
     after_timeout = "its worker process was stopped and a fresh one started"
+    serve = "from maxpost.rewards import _serve; _serve({fd})"   # what the process runs (a tool worker, 13b, runs its own)
 
     def __init__(self, fn):
         self.payload, self.proc, self.conn, self.ready = _dumps(fn), None, None, False
@@ -393,7 +394,7 @@ class _Worker:
                "JAX_PLATFORMS": "cpu", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
         ours, theirs = socket.socketpair()
         try:
-            self.proc = subprocess.Popen([sys.executable, "-c", f"from maxpost.rewards import _serve; _serve({theirs.fileno()})"],
+            self.proc = subprocess.Popen([sys.executable, "-c", self.serve.format(fd=theirs.fileno())],
                                          pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         except Exception as e:
             ours.close(); raise _NotIsolated(f"a worker process cannot be started ({_describe(e)})") from None

@@ -4,11 +4,12 @@
 
 # %% auto 0
 __all__ = ['NAMES', 'ITEMS', 'SYSTEM_PROMPT', 'TASK_FILES', 'SHORTCUT_SHARE', 'HASTY_ERROR_RATE', 'PAD', 'ENDOFTEXT', 'IM_START',
-           'IM_END', 'UNK', 'TAGS', 'CHAT_TEMPLATE', 'PRE_TOKENIZER_PATTERN', 'MAX_VOCAB', 'TASK_VERSION', 'Difficulty',
-           'generate_problem', 'generate_problems', 'make_splits', 'prompt_messages', 'format_completion',
-           'is_answer_only', 'skip_last_step', 'sft_messages', 'write_embedded_task', 'tokenizer_corpus',
-           'build_tokenizer', 'prepare_embedded', 'embedded_task_dir', 'prepare_embedded_task', 'embedded_split',
-           'check_held_out']
+           'IM_END', 'UNK', 'TAGS', 'CHAT_TEMPLATE', 'PRE_TOKENIZER_PATTERN', 'MAX_VOCAB', 'TASK_VERSION',
+           'TOOL_TOKENS', 'CALCULATOR_SHARE', 'Difficulty', 'generate_problem', 'generate_problems', 'make_splits',
+           'prompt_messages', 'format_completion', 'is_answer_only', 'skip_last_step', 'sft_messages',
+           'write_embedded_task', 'tokenizer_corpus', 'build_tokenizer', 'prepare_embedded', 'embedded_task_dir',
+           'prepare_embedded_task', 'embedded_split', 'check_held_out', 'build_calculator_tokenizer',
+           'calculator_messages', 'write_calculator_task', 'prepare_calculator_task']
 
 # %% ../nbs/05_tasks.ipynb
 import json, os, random, re, string
@@ -287,3 +288,70 @@ def check_held_out(cfg: TrainConfig) -> None:
                           f"train_split={cfg.train_split!r}: the held-out numbers would be training numbers. Set "
                           "eval_split= to a held-out split, eval_dataset_name= to a held-out file, or eval_on_train=true "
                           "to evaluate on the training data on purpose")
+
+# %% ../nbs/05_tasks.ipynb
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "calculator")
+CALCULATOR_SHARE = 0.3
+
+def build_calculator_tokenizer(directory=None) -> "transformers.PreTrainedTokenizerFast":
+    "The embedded tokenizer plus the calculator variant's tokens (`TOOL_TOKENS`, the ids after the default's); saved to `directory` if given."
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    assert len(tokenizer) <= MAX_VOCAB, len(tokenizer)
+    if directory is not None: tokenizer.save_pretrained(str(directory), save_jinja_files=False)
+    return tokenizer
+
+# %% ../nbs/05_tasks.ipynb
+_STEP = re.compile(r"^(.*?)(-?\d+ [-+*] \d+) = (-?\d+)(.*)$")
+
+def calculator_messages(example: dict, system_prompt: str | None = SYSTEM_PROMPT) -> list[dict]:
+    "The conversation of a worked answer whose every step's arithmetic is a calculator call: [system?, user, (assistant, tool) per step, assistant]."
+    reasoning, final = example["answer"].rsplit("####", 1)
+    messages, text = prompt_messages(example["question"], system_prompt), "<reasoning>"
+    for line in reasoning.strip().split("\n"):
+        if not (m := _STEP.match(line)): text += line + "\n"; continue
+        before, expression, result, after = m.groups()
+        messages += [{"role": "assistant", "content": f'{text}{before}<tool_call>calculator("{expression}")</tool_call>'},
+                     {"role": "tool", "content": result}]
+        text = result + after + "\n"
+    return messages + [{"role": "assistant", "content": f"{text.rstrip()}</reasoning><answer>{final.strip().replace(',', '')}</answer>"}]
+
+# %% ../nbs/05_tasks.ipynb
+def write_calculator_task(directory, *, seed: int = 0, n_train: int = 20_000, n_test: int = 1_000,
+                          system_prompt: str | None = SYSTEM_PROMPT, shortcut_share: float = SHORTCUT_SHARE,
+                          hasty_error_rate: float = HASTY_ERROR_RATE, tool_share: float = CALCULATOR_SHARE,
+                          **difficulty) -> dict[str, str]:
+    "The embedded task's files with a share `tool_share` of the SFT demonstrations replaced by calculator conversations; every other row is the default's."
+    if not 0 <= tool_share <= 1: raise ValueError(f"tool_share is a fraction in [0, 1], got {tool_share}")
+    directory = Path(directory); directory.mkdir(parents=True, exist_ok=True)
+    train, test = make_splits(seed=seed, n_train=n_train, n_test=n_test, difficulty=Difficulty(**difficulty))
+    for split, rows in (("train", train), ("test", test)):
+        _write_jsonl(directory / f"{split}.jsonl", rows)
+        rng, tool_rng = random.Random(f"maxpost-shortcut/{seed}/{split}"), random.Random(f"maxpost-calculator/{seed}/{split}")
+        def demos():
+            for r in rows:
+                default = _demonstration(r, rng, system_prompt, shortcut_share, hasty_error_rate)   # the default's draws, always
+                yield {"messages": calculator_messages(r, system_prompt)} if tool_rng.random() < tool_share else default
+        _write_jsonl(directory / f"sft_{split}.jsonl", demos())
+    return {f.removesuffix(".jsonl"): str(directory / f) for f in TASK_FILES}
+
+# %% ../nbs/05_tasks.ipynb
+def prepare_calculator_task(directory, *, seed: int = 0, n_train: int = 20_000, n_test: int = 1_000,
+                            system_prompt: str | None = SYSTEM_PROMPT, shortcut_share: float = SHORTCUT_SHARE,
+                            hasty_error_rate: float = HASTY_ERROR_RATE, tool_share: float = CALCULATOR_SHARE,
+                            **difficulty) -> dict[str, str]:
+    "`prepare_embedded` for the calculator variant: its files and tokenizer in `directory` unless already there."
+    directory = Path(directory)
+    record = {"version": TASK_VERSION, "variant": "calculator", "tool_share": tool_share, "seed": seed, "n_train": n_train,
+              "n_test": n_test, "system_prompt": system_prompt, "shortcut_share": shortcut_share,
+              "hasty_error_rate": hasty_error_rate, "difficulty": asdict(Difficulty(**difficulty))}
+    record["difficulty"]["operations"] = list(record["difficulty"]["operations"])
+    manifest = directory / "embedded.json"
+    paths = {f.removesuffix(".jsonl"): str(directory / f) for f in TASK_FILES} | {"tokenizer": str(directory)}
+    needed = [directory / f for f in TASK_FILES + ("tokenizer.json", "tokenizer_config.json")]
+    if manifest.exists() and json.loads(manifest.read_text()) == record and all(p.exists() for p in needed): return paths
+    write_calculator_task(directory, seed=seed, n_train=n_train, n_test=n_test, system_prompt=system_prompt,
+                          shortcut_share=shortcut_share, hasty_error_rate=hasty_error_rate, tool_share=tool_share, **difficulty)
+    build_calculator_tokenizer(directory)
+    tmp = manifest.with_name(f"embedded.json.tmp{os.getpid()}"); tmp.write_text(json.dumps(record, indent=1)); os.replace(tmp, manifest)
+    return paths
