@@ -220,9 +220,14 @@ def same_rows(a: tuple, b: tuple) -> bool:
 
 # %% ../nbs/04_data.ipynb
 def _common_prefix(a: str, b: str) -> int:
+    "The length of the longest common prefix of `a` and `b` (compared by slices, in C: templates render long texts)."
     n = min(len(a), len(b))
-    i = next((k for k in range(n) if a[k] != b[k]), n)
-    return i
+    if a[:n] == b[:n]: return n
+    lo, hi = 0, n                           # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
+    return lo
 
 def _render(tokenizer, messages, generation_prompt: bool, chat_template_kwargs=None) -> str:
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt,
@@ -495,8 +500,8 @@ def tokenize_dataset(dataset, tokenizer, *, max_target_length: int, data_format:
     where = None
     if cache_dir is not False and (key := _fingerprint(dataset, tokenizer, dict(
             fmt=fmt, max_target_length=max_target_length, train_on=train_on, **options))) is not None:
-        from maxpost.sharding import user_cache_dir
-        where = Path(cache_dir or user_cache_dir("tokenized")) / key
+        if cache_dir is None: from maxpost.sharding import user_cache_dir; cache_dir = user_cache_dir("tokenized")
+        where = Path(cache_dir) / key
         if (cached := _load_examples(where)) is not None: return cached
     parts = _encode_all(dataset, tokenizer, fmt, max_target_length, train_on, options, _num_proc(num_proc, len(dataset)))
     if not sum(len(p["lengths"]) for p in parts):

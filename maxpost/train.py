@@ -135,7 +135,7 @@ class RunCheckpoints:
         self.dir, self.primary = run_dir(cfg), jax.process_index() == 0
         self.mgr = checkpoint_manager(self.dir / "checkpoints", max_to_keep=cfg.max_checkpoints_to_keep,
                                       save_concurrent_gb=save_concurrent_gb,
-                                      async_save=getattr(cfg, "async_checkpointing", True))   # the key: see 03_checkpoint
+                                      async_save=getattr(cfg, "async_checkpointing", True))
         step = self.latest_step()
         if not self.primary: return
         arch = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in model_options(cfg)}
