@@ -99,9 +99,9 @@ def worker(a) -> None:
     for k in ("tokens", "loss_mask", "offsets"):
         x = np.ascontiguousarray(getattr(ex, k)); h.update(str(x.dtype).encode()); h.update(x.tobytes())
     import resource
-    rss = {w: resource.getrusage(getattr(resource, f"RUSAGE_{w.upper()}")).ru_maxrss / 2**20 for w in ("self", "children")}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # the fork server's workers are not counted
     print(json.dumps({"config": a.worker, "rows": len(ds), "seconds": seconds, "tokens": int(len(ex.tokens)),
-                      "peak_rss_gib": round(rss["self"], 2), "peak_rss_worker_gib": round(rss["children"], 2),
+                      "peak_rss_gib": round(rss, 2),
                       "examples": len(ex), "truncated": ex.num_truncated, "dropped": ex.num_dropped,
                       "hash": h.hexdigest()[:16]}), flush=True)
 
@@ -153,13 +153,13 @@ def main(argv=None):
     print(f"\n{a.rows:,} conversations, {rows[-1]['tokens'] / a.rows:,.0f} tokens each on average after truncation to "
           f"{a.max_target_length} ({rows[-1]['truncated']} truncated); {cores} cores (shared); every configuration "
           f"gave the same arrays (hash {rows[-1]['hash']})")
-    print("| configuration | rows measured | seconds | seconds for all rows | vs before | peak RSS (GiB): process, a worker |")
+    print("| configuration | rows measured | seconds | seconds for all rows | vs before | peak RSS of the process (GiB) |")
     print("| --- | --- | --- | --- | --- | --- |")
     full = lambda r: r["seconds"] * (a.rows / r["rows"])
     for r in rows:
         est = "" if r["rows"] == a.rows else " (scaled)"
         print(f"| {r['config']} | {r['rows']:,} | {r['seconds']:.1f} | {full(r):,.0f}{est} | "
-              f"{full(rows[0]) / full(r):.1f}x | {r['peak_rss_gib']:.2f}, {r['peak_rss_worker_gib']:.2f} |")
+              f"{full(rows[0]) / full(r):.1f}x | {r['peak_rss_gib']:.2f} |")
     if a.record:
         Path(a.record).write_text(json.dumps({"rows": a.rows, "slice": take, "cores": cores, "before_rev": a.before_rev,
                                               "max_target_length": a.max_target_length, "runs": rows}, indent=1) + "\n")

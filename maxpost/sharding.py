@@ -203,11 +203,14 @@ def user_cache_dir(*parts: str) -> Path:
     root = os.environ.get("MAXPOST_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "maxpost"
     return Path(root).expanduser().joinpath(*parts)
 
-def enable_compilation_cache(path: str | Path | None = None) -> Path:
-    "Keep every compiled program (however quick to compile, however small) in JAX's persistent cache under `path` (default: JAX's `jax_compilation_cache_dir` when set, else `user_cache_dir('jax')`), so that a later process loads it instead of compiling; returns the directory."
+def enable_compilation_cache(path: str | Path | None = None) -> Path | None:
+    "Keep every compiled program (however quick to compile, however small) in JAX's persistent cache under `path` (default: JAX's `jax_compilation_cache_dir` when set, else `user_cache_dir('jax')`), so that a later process loads it instead of compiling; returns the directory, or None (with a warning) when it cannot be made."
+    import warnings
     from jax.experimental.compilation_cache import compilation_cache
     path = Path(path or jax.config.jax_compilation_cache_dir or user_cache_dir("jax")).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
+    try: path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:   # a read-only home, say: the run compiles as it would without a cache
+        warnings.warn(f"no compilation cache: cannot make {path} ({e})", stacklevel=2); return None
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)   # -1: no size threshold, none set for us
