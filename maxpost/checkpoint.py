@@ -354,11 +354,19 @@ def _drop_closed_loop_tracebacks() -> None:
     hook.maxpost_quiet = True
     sys.excepthook, sys.unraisablehook = hook, unraisable
 
+class _OrbaxUnretrieved(logging.Filter):
+    "Drops asyncio's \"<Task, Future, _GatheringFuture> exception was never retrieved\" for Orbax's writes that a failed save abandoned (logged when they are collected, sometimes after the error was reported)."
+    def filter(self, record) -> bool:
+        msg = record.getMessage()
+        return not ("exception was never retrieved" in msg.split("\n", 1)[0] and "orbax" in msg)
+
 _ABSL = {"saves": 0, "level": logging.NOTSET}   # saves in flight, and the absl level to restore when none is
 
 def _quiet_orbax() -> None:
     "While a save is in flight (also after an asynchronous `save_state` returned): Orbax logs each failed writer thread's traceback from its threads; the `CheckpointError` says it once."
     _drop_closed_loop_tracebacks()
+    aio = logging.getLogger("asyncio")
+    if not any(isinstance(f, _OrbaxUnretrieved) for f in aio.filters): aio.addFilter(_OrbaxUnretrieved())
     absl = logging.getLogger("absl")
     if _ABSL["saves"] == 0: _ABSL["level"] = absl.level
     _ABSL["saves"] += 1
