@@ -4,7 +4,7 @@
 
 # %% ../nbs/03_checkpoint.ipynb 3
 from __future__ import annotations
-import argparse, dataclasses, json, logging, os, shutil, sys, warnings
+import argparse, dataclasses, json, logging, os, shutil, socket, sys, threading, warnings
 from pathlib import Path
 from typing import NamedTuple
 import numpy as np
@@ -19,7 +19,8 @@ from .sharding import param_shardings, host_array, variable_at
 # %% auto 0
 __all__ = ['ARCHITECTURES', 'hf_config_to_model_config', 'model_config_to_hf_config', 'HFParam', 'hf_param_map', 'hf_to_param',
            'param_to_hf', 'hf_state_dict', 'save_hf', 'load_hf', 'CheckpointError', 'save_limit_gb',
-           'checkpoint_manager', 'prune_steps', 'state_bytes', 'check_free_space', 'save_state', 'restore_state']
+           'checkpoint_manager', 'prune_steps', 'state_bytes', 'check_free_space', 'finish_saves', 'save_state',
+           'restore_state']
 
 # %% ../nbs/03_checkpoint.ipynb
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3",
@@ -275,16 +276,17 @@ def save_limit_gb(*trees) -> int:
                   default=0)
     return int(largest // 10**9) + 1
 
-def checkpoint_manager(directory, *, max_to_keep: int | None = None,
-                       save_concurrent_gb: int | None = None) -> ocp.CheckpointManager:
-    "A synchronous Orbax manager over `directory` (created if needed); with `max_to_keep`, older steps beyond it are deleted now and after each save (`prune_steps`: never through a link); with `save_concurrent_gb`, a save holds at most that many GB in flight."
-    opts = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)   # maxpost prunes, not Orbax
+def checkpoint_manager(directory, *, max_to_keep: int | None = None, save_concurrent_gb: int | None = None,
+                       async_save: bool = False) -> ocp.CheckpointManager:
+    "An Orbax manager over `directory` (created if needed); with `max_to_keep`, older steps beyond it are deleted now and after each complete save (`prune_steps`: never through a link); with `save_concurrent_gb`, a save holds at most that many GB in flight; with `async_save`, `save_state` returns while the write goes on."
+    opts = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=async_save)   # maxpost prunes, not Orbax
     handlers = {}
     if save_concurrent_gb is not None:
         arrays = lambda: ocp.StandardCheckpointHandler(save_concurrent_gb=save_concurrent_gb)
         handlers = dict(item_handlers=dict(params=arrays(), opt_state=arrays(), meta=ocp.JsonCheckpointHandler()))
     mgr = ocp.CheckpointManager(Path(directory).absolute(), options=opts, **handlers)
-    mgr.maxpost_max_to_keep = max_to_keep   # read by save_state, which prunes after each save
+    mgr.maxpost_max_to_keep = max_to_keep   # read by finish_saves, which prunes after each complete save
+    mgr.maxpost_async, mgr.maxpost_pending = async_save, None   # the step written in the background, if any
     prune_steps(mgr, max_to_keep)
     return mgr
 
@@ -347,6 +349,8 @@ def check_free_space(directory, need: int, step: int, latest: int | None) -> Non
                               f"run to a larger disk: base_output_directory=...) and rerun"
                               f"{' to resume' if latest is not None else ''}")
 
+
+# %% ../nbs/03_checkpoint.ipynb
 def _drop_closed_loop_tracebacks() -> None:
     "Once per process: when a write fails, Tensorstore's callbacks for the writes still in flight land on Orbax's closed event loop, each reporting \"RuntimeError: Event loop is closed\" (some through `sys.excepthook`, some through `sys.unraisablehook`), hundreds burying the error: drop exactly those, pass everything else on."
     if getattr(sys.excepthook, "maxpost_quiet", False): return
@@ -359,32 +363,88 @@ def _drop_closed_loop_tracebacks() -> None:
     hook.maxpost_quiet = True
     sys.excepthook, sys.unraisablehook = hook, unraisable
 
+class _OrbaxUnretrieved(logging.Filter):
+    "Drops asyncio's \"<Task, Future, _GatheringFuture> exception was never retrieved\" for Orbax's writes that a failed save abandoned (logged when they are collected, sometimes after the error was reported)."
+    def filter(self, record) -> bool:
+        msg = record.getMessage()
+        return not ("exception was never retrieved" in msg.split("\n", 1)[0] and "orbax" in msg)
+
+_ABSL = {"saves": 0, "level": logging.NOTSET}   # saves in flight, and the absl level to restore when none is
+
+def _quiet_orbax() -> None:
+    "While a save is in flight (also after an asynchronous `save_state` returned): Orbax logs each failed writer thread's traceback from its threads; the `CheckpointError` says it once."
+    _drop_closed_loop_tracebacks()
+    aio = logging.getLogger("asyncio")
+    if not any(isinstance(f, _OrbaxUnretrieved) for f in aio.filters): aio.addFilter(_OrbaxUnretrieved())
+    absl = logging.getLogger("absl")
+    if _ABSL["saves"] == 0: _ABSL["level"] = absl.level
+    _ABSL["saves"] += 1
+    absl.setLevel(logging.CRITICAL)
+
+def _loud_orbax() -> None:
+    "A save ended: with none left in flight, absl logs at its level again."
+    _ABSL["saves"] = max(_ABSL["saves"] - 1, 0)
+    if _ABSL["saves"] == 0: logging.getLogger("absl").setLevel(_ABSL["level"])
+
+
+# %% ../nbs/03_checkpoint.ipynb
+def _release_orbax_threads() -> None:
+    "After a failed save: Orbax's writer threads still waiting for a signal from the part that failed (say, \"directory created\") would wait 20 minutes, and interpreter shutdown joins them: cancel them and send what they wait for, so that the process can exit. (Orbax internals: without them, nothing is done.)"
+    try: from orbax.checkpoint._src.futures import future as F
+    except ImportError: return
+    waiting = [t for t in threading.enumerate() if isinstance(t, getattr(F, "_SignalingThread", ())) and t.is_alive()]
+    for t in waiting:
+        try: t.cancel(); F.set_signals(t._receive_signals, operation_id=t._operation_id)
+        except Exception: pass   # another Orbax: nothing to release this way
+    if waiting:   # the work they were to do is dropped, and Python would say so for each piece at exit
+        warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
+
+def _write_error(mgr: ocp.CheckpointManager, step: int, e: BaseException, when: str = "") -> CheckpointError:
+    "The one-line `CheckpointError` of a write of `step` that failed with `e` (`when`: where a background write's failure was found), after putting `mgr` back on its complete steps."
+    mgr.reload(); _release_orbax_threads()
+    latest = mgr.latest_step()
+    return CheckpointError(f"could not write checkpoint step {step} under {mgr.directory}{when}: {type(e).__name__}: "
+                           f"{e}. {_intact(latest).capitalize()}; fix the cause (permissions, free space, another "
+                           f"process writing the same run) and rerun{' to resume' if latest is not None else ''}")
+
+def _check_writable(mgr: ocp.CheckpointManager, step: int) -> None:
+    "Raise `CheckpointError` before a save when the checkpoint directory takes no new entry (read-only, no permission): an asynchronous save would only find it in the background."
+    probe = Path(mgr.directory) / f".maxpost-probe-{socket.gethostname()}-{os.getpid()}"
+    try: probe.mkdir(); probe.rmdir()
+    except OSError as e: raise _write_error(mgr, step, e) from None
+
+
+# %% ../nbs/03_checkpoint.ipynb
+def finish_saves(mgr: ocp.CheckpointManager, when: str = "") -> None:
+    "Wait for the save `mgr` has in flight (none: return at once); a failed one raises `CheckpointError` naming its step and the newest complete one (`when`: where it was found). Then prune to `max_to_keep`."
+    step, mgr.maxpost_pending = getattr(mgr, "maxpost_pending", None), None
+    if step is None: return
+    try: mgr.wait_until_finished()
+    except Exception as e: raise _write_error(mgr, step, e, when) from e
+    finally: _loud_orbax()
+    prune_steps(mgr, getattr(mgr, "maxpost_max_to_keep", None))   # after a complete save: never mixed up with it
+
 def save_state(mgr: ocp.CheckpointManager, step: int, params, opt_state=None, meta: dict | None = None) -> None:
-    "Save `params` (and `opt_state`, JSON `meta`) as checkpoint `step`; a disk without room for it, or a failed write, raises `CheckpointError` and leaves the earlier steps intact."
+    "Save `params` (and `opt_state`, JSON `meta`) as checkpoint `step`, after the save in flight completes; with an asynchronous `mgr`, return once the arrays are on the host. No room, an unwritable directory or a failed write raise `CheckpointError` (a background write's: at the next save or `finish_saves`) and leave the earlier steps intact."
     step = int(step)
+    finish_saves(mgr, f" (written in the background; found at the save of step {step})")
     _set_aside(mgr, [s for s in mgr.all_steps() if s >= step], f"the run is saving step {step} again")
     check_free_space(mgr.directory, state_bytes(params, opt_state), step, mgr.latest_step())
+    _check_writable(mgr, step)
     items = dict(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(dict(meta or {}, step=step)))
     if opt_state is not None: items["opt_state"] = ocp.args.StandardSave(opt_state)
-    _drop_closed_loop_tracebacks()
-    absl = logging.getLogger("absl")   # Orbax logs each failed writer thread's traceback; the error below says it once
-    level = absl.level
-    absl.setLevel(logging.CRITICAL)
-    try:
-        mgr.save(step, args=ocp.args.Composite(**items))
-        mgr.wait_until_finished()
+    _quiet_orbax()
+    try: mgr.save(step, args=ocp.args.Composite(**items))
     except Exception as e:
-        mgr.reload()
-        raise CheckpointError(f"could not write checkpoint step {step} under {mgr.directory}: {type(e).__name__}: "
-                              f"{e}. {_intact(mgr.latest_step()).capitalize()}; fix the cause (permissions, free "
-                              f"space, another process writing the same run) and rerun"
-                              f"{' to resume' if mgr.latest_step() is not None else ''}") from e
-    finally: absl.setLevel(level)
-    prune_steps(mgr, getattr(mgr, "maxpost_max_to_keep", None))   # after a complete save: never mixed up with it
+        _loud_orbax(); raise _write_error(mgr, step, e) from e
+    mgr.maxpost_pending = step
+    if not getattr(mgr, "maxpost_async", False): finish_saves(mgr)
+
 
 # %% ../nbs/03_checkpoint.ipynb
 def restore_state(mgr: ocp.CheckpointManager, params_like, opt_state_like=None, *, step: int | None = None):
     "`(params, opt_state, meta)` of `step`, or of the newest step that restores, on the shardings of the `*_like` trees; `meta['step']` is the step restored."
+    finish_saves(mgr, " (written in the background; found before a restore)")
     steps = [int(step)] if step is not None else sorted(mgr.all_steps(), reverse=True)
     if not steps: raise FileNotFoundError(f"no checkpoint under {mgr.directory}")
     items = dict(params=ocp.args.StandardRestore(_abstract(params_like)), meta=ocp.args.JsonRestore())

@@ -5,7 +5,7 @@
 # %% ../nbs/04_data.ipynb 4
 from __future__ import annotations
 
-import bisect, codecs, glob, json, re
+import bisect, codecs, glob, hashlib, json, os, re, shutil, socket, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -231,9 +231,14 @@ def same_rows(a: tuple, b: tuple) -> bool:
 
 # %% ../nbs/04_data.ipynb
 def _common_prefix(a: str, b: str) -> int:
+    "The length of the longest common prefix of `a` and `b` (compared by slices, in C: templates render long texts)."
     n = min(len(a), len(b))
-    i = next((k for k in range(n) if a[k] != b[k]), n)
-    return i
+    if a[:n] == b[:n]: return n
+    lo, hi = 0, n                           # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
+    return lo
 
 def _render(tokenizer, messages, generation_prompt: bool, chat_template_kwargs=None) -> str:
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt,
@@ -270,18 +275,29 @@ def _has_generation_markers(tokenizer) -> bool:
     t = tokenizer.chat_template
     return isinstance(t, str) and _GENERATION.search(t) is not None
 
-def encode_chat(tokenizer, messages: Sequence[dict], chat_template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
-    "Token ids of a conversation rendered by the tokenizer's chat template and its assistant-token mask (1 = assistant)."
+def _span_mask(offsets, spans) -> list[int]:
+    "1 for each token whose characters [s, max(e, s + 1)) overlap a character span [a, b) of `spans`, else 0."
+    o, sp = np.asarray(offsets, np.int64).reshape(-1, 1, 2), np.asarray(spans, np.int64).reshape(1, -1, 2)
+    s, e = o[..., 0], np.maximum(o[..., 1], o[..., 0] + 1)
+    return ((s < sp[..., 1]) & (e > sp[..., 0])).any(1).astype(int).tolist()
+
+def _encode_chats(tokenizer, conversations: Sequence[Sequence[dict]], chat_template_kwargs: dict | None = None):
+    "`encode_chat` of each conversation, the tokenizer called once for all of them."
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template; pass chat_template= to load_tokenizer")
+    convs, kw = [list(m) for m in conversations], chat_template_kwargs or {}
     if _has_generation_markers(tokenizer):
-        enc = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True, **(chat_template_kwargs or {}))
-        return list(enc["input_ids"]), [int(x) for x in enc["assistant_masks"]]
-    text, spans = assistant_spans(tokenizer, messages, chat_template_kwargs)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    mask = [int(any(s < b and max(e, s + 1) > a for a, b in spans)) for s, e in enc["offset_mapping"]]
-    return list(enc["input_ids"]), mask
+        enc = tokenizer.apply_chat_template(convs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kw)
+        return [(list(ids), [int(x) for x in m]) for ids, m in zip(enc["input_ids"], enc["assistant_masks"])]
+    rendered = [assistant_spans(tokenizer, m, kw) for m in convs]
+    enc = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+    return [(list(ids), _span_mask(offsets, spans))
+            for ids, offsets, (_, spans) in zip(enc["input_ids"], enc["offset_mapping"], rendered)]
+
+def encode_chat(tokenizer, messages: Sequence[dict], chat_template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
+    "Token ids of a conversation rendered by the tokenizer's chat template and its assistant-token mask (1 = assistant)."
+    return _encode_chats(tokenizer, [messages], chat_template_kwargs)[0]
+
 
 # %% ../nbs/04_data.ipynb
 def show_mask(tokenizer, tokens: Sequence[int], loss_mask: Sequence[int], open: str = "[", close: str = "]") -> str:
@@ -316,6 +332,12 @@ def _pair(example: dict, fmt: str, columns: dict) -> tuple[Any, Any]:
     p, c = _columns(**columns)[fmt]
     return example[p], example[c]
 
+def _finish(ids, mask, train_on: str) -> tuple[list[int], list[int]]:
+    "The mask of every token with `train_on='all'`; the first token is never a target (nothing predicts it)."
+    if train_on == "all": mask = [1] * len(ids)
+    if mask: mask[0] = 0
+    return list(ids), mask
+
 def encode_example(tokenizer, example: dict, data_format: str = "auto", *, train_on: str = "auto",
                    use_chat_template: bool | None = None, system_prompt: str | None = None,
                    chat_template_kwargs: dict | None = None, **columns) -> tuple[list[int], list[int]]:
@@ -347,9 +369,7 @@ def encode_example(tokenizer, example: dict, data_format: str = "auto", *, train
             ids, mask = p + c, [0] * len(p) + [1] * len(c)
     else:
         raise ValueError(f"unknown data_format {data_format!r}; choose one of {FORMATS}")
-    if train_on == "all": mask = [1] * len(ids)
-    if mask: mask[0] = 0
-    return list(ids), mask
+    return _finish(ids, mask, train_on)
 
 # %% ../nbs/04_data.ipynb
 @dataclass
@@ -378,30 +398,136 @@ class Examples:
         return cls(cat(tokens), cat(loss_masks), np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), **counts)
 
 # %% ../nbs/04_data.ipynb
+_BATCH = 256   # examples per tokenizer call
+
+def _encode_batch(tokenizer, rows: Sequence[dict], first: int, fmt: str, train_on: str, options: dict) -> list:
+    "`encode_example` of each row (example `first` onwards), conversations through one tokenizer call; a bad example is a `ConfigError` naming it."
+    one = lambda ex: encode_example(tokenizer, ex, fmt, train_on=train_on, **options)
+    try:
+        if fmt != "messages" or train_on not in TRAIN_ON: return [one(ex) for ex in rows]
+        col = _columns(**{k: v for k, v in options.items() if k.endswith("_column")})["messages"][0]
+        convs = [_check_messages(ex[col], "messages") for ex in rows]
+        return [_finish(ids, mask, train_on) for ids, mask in _encode_chats(tokenizer, convs, options["chat_template_kwargs"])]
+    except (ValueError, KeyError, TypeError) as e: failed = e
+    for j, ex in enumerate(rows):   # which one: the data is the input, a ConfigError (exit 2) names its row
+        try: one(ex)
+        except (ValueError, KeyError, TypeError) as e: raise ConfigError(f"example {first + j} ({fmt} format): {e}") from e
+    raise ConfigError(f"examples {first} to {first + len(rows) - 1} ({fmt} format): {failed}") from failed
+
+def _rows(data, start: int, stop: int) -> list[dict]:
+    return data.select(range(start, stop)).to_list() if hasattr(data, "select") else list(data[start:stop])
+
+def _encode_shard(job: tuple) -> dict:
+    "Rows [start, stop) of `data` (example `first` onwards) encoded and truncated, in a worker process or here: flat arrays, lengths, counts."
+    data, start, stop, first, tokenizer, fmt, max_target_length, train_on, options = job
+    rows, toks, masks, dropped, truncated, longest = _rows(data, start, stop), [], [], 0, 0, 0
+    for b in range(0, len(rows), _BATCH):
+        for ids, mask in _encode_batch(tokenizer, rows[b:b + _BATCH], first + b, fmt, train_on, options):
+            longest = max(longest, len(ids))
+            if len(ids) > max_target_length: ids, mask, truncated = ids[:max_target_length], mask[:max_target_length], truncated + 1
+            if not any(mask): dropped += 1; continue
+            toks.append(np.asarray(ids, np.int32)); masks.append(np.asarray(mask, np.int32))
+    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int32)
+    return dict(tokens=cat(toks), loss_mask=cat(masks), lengths=np.array([len(t) for t in toks], np.int64),
+                dropped=dropped, truncated=truncated, longest=longest)
+
+
+# %% ../nbs/04_data.ipynb
+def _num_proc(num_proc: int | None, n: int) -> int:
+    "Worker processes for `n` examples: `num_proc`, or by default one per core with 5,000 examples or more each (a worker takes seconds to start)."
+    if num_proc is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        num_proc = min(cores, n // 5000)
+    return max(1, min(int(num_proc), n))
+
+def _encode_all(dataset, tokenizer, fmt: str, max_target_length: int, train_on: str, options: dict, num_proc: int) -> list[dict]:
+    "`_encode_shard` over the whole dataset, in order: here, or in `num_proc` processes (4 shards each, for balance)."
+    n = len(dataset)
+    mapped = hasattr(dataset, "cache_files") and bool(dataset.cache_files)   # a worker opens the same files: pickled by path
+    cuts = list(range(0, n, -(-n // (4 * num_proc if num_proc > 1 else 1)))) + [n]
+    jobs = ((dataset, a, b, a) if mapped or num_proc == 1 else (_rows(dataset, a, b), 0, b - a, a) for a, b in zip(cuts, cuts[1:]))
+    jobs = (j + (tokenizer, fmt, max_target_length, train_on, options) for j in jobs)
+    if num_proc == 1: return [_encode_shard(j) for j in jobs]
+    import concurrent.futures, functools, importlib, multiprocessing
+    work = importlib.import_module("maxpost.data")._encode_shard   # by its module, so that it pickles from a notebook too
+    quiet = functools.partial(os.putenv, "TOKENIZERS_PARALLELISM", "false")   # the processes are the parallelism
+    # forkserver: the workers do not inherit the threads of JAX (a fork of a threaded process can deadlock)
+    with concurrent.futures.ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("forkserver"),
+                                                initializer=quiet) as pool:
+        return list(pool.map(work, jobs))
+
+
+# %% ../nbs/04_data.ipynb
+def _fingerprint(dataset, tokenizer, settings: dict) -> str | None:
+    "A hash of the rows (datasets' own fingerprint, which follows the files and every selection; or the rows themselves), the tokenizer (vocabulary, merges, normalisation, template, special tokens), the settings and the code of this module; None when one of them cannot be hashed."
+    import importlib.util
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None: return None
+    data = f"datasets {dataset._fingerprint} {len(dataset)}" if hasattr(dataset, "_fingerprint") else list(dataset)
+    spec = importlib.util.find_spec("maxpost.data")
+    code = hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest() if spec and spec.origin else "unknown"
+    tok = [type(tokenizer).__name__, backend.to_str(), tokenizer.chat_template, sorted(tokenizer.special_tokens_map.items()),
+           tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]
+    try: blob = json.dumps([data, tok, settings, code], sort_keys=True, default=repr)
+    except (TypeError, ValueError): return None
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+_ARRAYS = ("tokens", "loss_mask", "offsets")
+
+def _load_examples(d: Path) -> Examples | None:
+    "Examples cached in `d` (memory-mapped: a reload reads only what packing touches), or None."
+    try:
+        counts = json.loads((d / "examples.json").read_text())
+        return Examples(*(np.asarray(np.load(d / f"{k}.npy", mmap_mode="r")) for k in _ARRAYS), **counts)
+    except (OSError, ValueError, TypeError): return None
+
+def _save_examples(d: Path, examples: Examples) -> None:
+    "Write `examples` into `d` through a temporary directory renamed when complete; a failure (no room, no permission) only warns."
+    tmp = d.with_name(f"{d.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    try:
+        if d.exists(): shutil.rmtree(d)                   # one that did not load
+        tmp.mkdir(parents=True, exist_ok=True)
+        for k in _ARRAYS: np.save(tmp / f"{k}.npy", getattr(examples, k))
+        counts = dict(num_dropped=examples.num_dropped, num_truncated=examples.num_truncated, max_length=examples.max_length)
+        (tmp / "examples.json").write_text(json.dumps({k: int(v) for k, v in counts.items()}))
+        os.replace(tmp, d)
+    except OSError as e:
+        if not d.exists(): warnings.warn(f"could not cache the tokenized examples in {d} ({e}); the next run tokenizes them again")
+    finally: shutil.rmtree(tmp, ignore_errors=True)
+
+
+# %% ../nbs/04_data.ipynb
 def tokenize_dataset(dataset, tokenizer, *, max_target_length: int, data_format: str = "auto", train_on: str = "auto",
                      use_chat_template: bool | None = None, system_prompt: str | None = None,
-                     chat_template_kwargs: dict | None = None, **columns) -> Examples:
-    "Encode every example (a datasets.Dataset or a list of dicts), truncate to max_target_length, drop empty-mask ones."
+                     chat_template_kwargs: dict | None = None, num_proc: int | None = None, cache_dir=None,
+                     **columns) -> Examples:
+    "Encode every example (a datasets.Dataset or a list of dicts), truncate to max_target_length, drop empty-mask ones; in `num_proc` processes (default: one per core from 5,000 examples each), cached in `cache_dir` (default `user_cache_dir('tokenized')`; False: none)."
     if len(dataset) == 0: raise ConfigError("the dataset is empty")
     names = dataset.column_names if hasattr(dataset, "column_names") else list(dataset[0])
     fmt = detect_format(names, data_format, **columns)
     if hasattr(dataset, "select_columns"): dataset = dataset.select_columns(list(dict.fromkeys(_columns(**columns)[fmt])))
-    toks, masks, dropped, truncated, longest = [], [], 0, 0, 0
-    for i, ex in enumerate(dataset):
-        try:
-            ids, mask = encode_example(tokenizer, ex, fmt, train_on=train_on, use_chat_template=use_chat_template,
-                                       system_prompt=system_prompt, chat_template_kwargs=chat_template_kwargs, **columns)
-        except (ValueError, KeyError, TypeError) as e:   # the data is the input: a ConfigError (exit 2) naming the row
-            raise ConfigError(f"example {i} ({fmt} format): {e}") from e
-        longest = max(longest, len(ids))
-        if len(ids) > max_target_length: ids, mask, truncated = ids[:max_target_length], mask[:max_target_length], truncated + 1
-        if not any(mask): dropped += 1; continue
-        toks.append(ids); masks.append(mask)
-    if not toks:
+    options = dict(use_chat_template=use_chat_template, system_prompt=system_prompt,
+                   chat_template_kwargs=chat_template_kwargs, **columns)
+    where = None
+    if cache_dir is not False and (key := _fingerprint(dataset, tokenizer, dict(
+            fmt=fmt, max_target_length=max_target_length, train_on=train_on, **options))) is not None:
+        if cache_dir is None: from maxpost.sharding import user_cache_dir; cache_dir = user_cache_dir("tokenized")
+        where = Path(cache_dir) / key
+        if (cached := _load_examples(where)) is not None: return cached
+    parts = _encode_all(dataset, tokenizer, fmt, max_target_length, train_on, options, _num_proc(num_proc, len(dataset)))
+    if not sum(len(p["lengths"]) for p in parts):
+        longest = max(p["longest"] for p in parts)
         raise ConfigError(f"all {len(dataset)} examples have no training target after truncation to max_target_length="
                           f"{max_target_length} (the longest has {longest} tokens); raise max_target_length or check "
                           "train_on / the columns")
-    return Examples.from_lists(toks, masks, num_dropped=dropped, num_truncated=truncated, max_length=longest)
+    lengths = np.concatenate([p["lengths"] for p in parts])
+    examples = Examples(np.concatenate([p["tokens"] for p in parts]), np.concatenate([p["loss_mask"] for p in parts]),
+                        np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                        num_dropped=sum(p["dropped"] for p in parts), num_truncated=sum(p["truncated"] for p in parts),
+                        max_length=max(p["longest"] for p in parts))
+    if where is not None: _save_examples(where, examples)
+    return examples
+
 
 # %% ../nbs/04_data.ipynb
 def check_examples(examples: Examples, *, max_target_length: int, max_dropped_share: float = 0.5,
@@ -532,13 +658,15 @@ def make_sft_iterator(tokenizer, dataset, *, max_target_length: int, global_batc
                       packing: bool = True, shuffle: bool = True, seed: int = 0, num_epochs: int | None = None,
                       use_chat_template: bool | None = None, system_prompt: str | None = None,
                       chat_template_kwargs: dict | None = None, process_index: int | None = None,
-                      process_count: int | None = None, **columns) -> BatchIterator:
-    "Tokenizer + dataset (name, path, datasets.Dataset or list of dicts) -> a BatchIterator of SFT batches."
+                      process_count: int | None = None, num_proc: int | None = None, cache_dir=None,
+                      **columns) -> BatchIterator:
+    "Tokenizer + dataset (name, path, datasets.Dataset or list of dicts) -> a BatchIterator of SFT batches (tokenized by `tokenize_dataset`: in `num_proc` processes, cached in `cache_dir`)."
     if isinstance(dataset, (str, Path)):
         dataset = load_dataset_split(dataset, split, dataset_config=dataset_config, data_files=data_files)
     examples = tokenize_dataset(dataset, tokenizer, max_target_length=max_target_length, data_format=data_format,
                                 train_on=train_on, use_chat_template=use_chat_template, system_prompt=system_prompt,
-                                chat_template_kwargs=chat_template_kwargs, **columns)
+                                chat_template_kwargs=chat_template_kwargs, num_proc=num_proc, cache_dir=cache_dir,
+                                **columns)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return BatchIterator(examples, global_batch_size=global_batch_size, max_target_length=max_target_length,
                          packing=packing, shuffle=shuffle, seed=seed, num_epochs=num_epochs, pad_id=pad_id,

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import math, os
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 import numpy as np
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, AxisType
@@ -14,7 +15,8 @@ from flax import nnx
 # %% auto 0
 __all__ = ['AXES', 'LOGICAL_RULES', 'mesh_shape', 'make_mesh', 'logical_spec', 'active_mesh', 'constrain', 'logical_init',
            'logical_names', 'param_shardings', 'shard_state', 'shard_model', 'create_sharded', 'batch_sharding',
-           'process_batch_slice', 'shard_batch', 'host_array', 'variable_at', 'init_distributed']
+           'process_batch_slice', 'shard_batch', 'host_array', 'variable_at', 'init_distributed', 'user_cache_dir',
+           'enable_compilation_cache']
 
 # %% ../nbs/01_sharding.ipynb
 AXES = ("data", "fsdp", "tensor")
@@ -194,3 +196,23 @@ def init_distributed(coordinator_address: str | None = None, num_processes: int 
     if coordinator_address is None and num_processes is None and _cluster_process_count() <= 1: return False
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id)
     return True
+
+# %% ../nbs/01_sharding.ipynb
+def user_cache_dir(*parts: str) -> Path:
+    "maxpost's cache directory (`$MAXPOST_CACHE_DIR`, else `$XDG_CACHE_HOME/maxpost`, else `~/.cache/maxpost`), joined with `parts`."
+    root = os.environ.get("MAXPOST_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "maxpost"
+    return Path(root).expanduser().joinpath(*parts)
+
+def enable_compilation_cache(path: str | Path | None = None) -> Path | None:
+    "Keep every compiled program (however quick to compile, however small) in JAX's persistent cache under `path` (default: JAX's `jax_compilation_cache_dir` when set, else `user_cache_dir('jax')`), so that a later process loads it instead of compiling; returns the directory, or None (with a warning) when it cannot be made."
+    import warnings
+    from jax.experimental.compilation_cache import compilation_cache
+    path = Path(path or jax.config.jax_compilation_cache_dir or user_cache_dir("jax")).expanduser()
+    try: path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:   # a read-only home, say: the run compiles as it would without a cache
+        warnings.warn(f"no compilation cache: cannot make {path} ({e})", stacklevel=2); return None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)   # -1: no size threshold, none set for us
+    compilation_cache.reset_cache()   # a compilation before this call set the cache up (or left it off): again
+    return path

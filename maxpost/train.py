@@ -123,7 +123,8 @@ class RunCheckpoints:
     def __init__(self, cfg: RunConfig, model_cfg, tokenizer_src: Path | None, *, save_concurrent_gb: int | None = None):
         self.dir, self.primary = run_dir(cfg), jax.process_index() == 0
         self.mgr = checkpoint_manager(self.dir / "checkpoints", max_to_keep=cfg.max_checkpoints_to_keep,
-                                      save_concurrent_gb=save_concurrent_gb)
+                                      save_concurrent_gb=save_concurrent_gb,
+                                      async_save=getattr(cfg, "async_checkpointing", True))
         step = self.latest_step()
         if not self.primary: return
         arch = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in model_options(cfg)}
@@ -144,6 +145,7 @@ class RunCheckpoints:
     def latest_step(self) -> int | None: return self.mgr.latest_step()
 
     def save(self, step: int, params, opt_state, meta: dict) -> None:
+        "Checkpoint `step`, written in the background while the loop goes on (after the previous save completed)."
         save_state(self.mgr, step, params, opt_state, meta)
 
     def restore_latest(self, params, opt_state):
@@ -151,7 +153,11 @@ class RunCheckpoints:
         if self.latest_step() is None: return None
         return restore_state(self.mgr, params, opt_state)
 
-    def close(self): self.mgr.wait_until_finished(); self.mgr.close()
+    def close(self):
+        "Wait for the save in flight (a failed one: `CheckpointError`), then close the manager."
+        from maxpost.checkpoint import finish_saves
+        try: finish_saves(self.mgr, " (written in the background; found at exit)")
+        finally: self.mgr.close()
 
 # %% ../nbs/08_train.ipynb
 class StopSignal:

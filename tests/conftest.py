@@ -14,6 +14,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Test processes (pytest workers, the CLI and notebook subprocesses they start) compile the same small programs
 # again and again; JAX's persistent compilation cache lets a later process reuse an earlier one's executable.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), "maxpost-tests-jax-cache"))
+# Tokenized datasets (maxpost.data) are cached per user; tests keep theirs out of the home directory.
+os.environ.setdefault("MAXPOST_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), "maxpost-tests-cache"))
 
 # The kinds of run register themselves when their modules are imported (chapter 00_config): import them all, as the
 # `maxpost` command does, so that `load_config("sft", ...)` finds its kind in every test.

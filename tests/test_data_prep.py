@@ -1,0 +1,191 @@
+"""Data preparation in batches, in worker processes and cached (issue 41): the examples are bit for bit what the
+one-example-at-a-time loop gave (the code before the change, kept here as the reference), whatever the number of
+processes, the kind of dataset or a reload from the cache; the cache is keyed by the data, the tokenizer and the
+settings, and a second run reads it instead of tokenizing."""
+import json, os, subprocess, sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import maxpost.data as D
+from maxpost.config import ConfigError
+from maxpost.data import assistant_spans, encode_example, load_dataset_split, load_tokenizer, tokenize_dataset
+
+ROOT = Path(__file__).resolve().parent.parent
+END = "<|im_end|>"
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML_GENERATION = ("{% for m in messages %}<|im_start|>{{ m.role }}{{ '\n' }}{% if m.role == 'assistant' %}"
+                     "{% generation %}{{ m.content }}<|im_end|>{% endgeneration %}{% else %}{{ m.content }}<|im_end|>"
+                     "{% endif %}{{ '\n' }}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant{{ '\n' }}{% endif %}")
+WORDS = ("the capital of France is Paris and of Italy Rome since 1871 café naïve déjà vu 東京 는 😀 clips sold "
+         "half as many in May altogether 48/2 = 24 #### 72 babysitting earns $12 an hour").split()
+
+
+def _tokenizer(directory, template):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer, tk.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<|endoftext|>", "<|im_start|>", END],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator([" ".join(WORDS)] * 5, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=END, pad_token="<|endoftext|>",
+                            chat_template=template).save_pretrained(directory)
+    return load_tokenizer(directory)
+
+
+@pytest.fixture(scope="module")
+def toks(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    return {"spans": _tokenizer(d / "plain", CHATML), "markers": _tokenizer(d / "gen", CHATML_GENERATION)}
+
+
+def _text(rng, n):
+    return " ".join(rng.choice(WORDS, n))
+
+
+def _conversations(n, seed=0):
+    "Chats of 1-3 turns, some with a system prompt, some long (truncated) and some whose answer lies past the cut."
+    rng, out = np.random.default_rng(seed), []
+    for i in range(n):
+        msgs = [{"role": "system", "content": _text(rng, 5)}] if i % 3 == 0 else []
+        for _ in range(int(rng.integers(1, 4))):
+            msgs += [{"role": "user", "content": _text(rng, int(rng.integers(1, 30)) * (20 if i % 17 == 0 else 1))},
+                     {"role": "assistant", "content": _text(rng, int(rng.integers(1, 40)))}]
+        out.append({"messages": msgs})
+    return out
+
+
+# ---- the reference: the loop and encode_chat as they were before batching (maxpost 4bcf363)
+
+def _old_encode_chat(tokenizer, messages, chat_template_kwargs=None):
+    if D._has_generation_markers(tokenizer):
+        enc = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True, **(chat_template_kwargs or {}))
+        return list(enc["input_ids"]), [int(x) for x in enc["assistant_masks"]]
+    text, spans = assistant_spans(tokenizer, messages, chat_template_kwargs)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(s < b and max(e, s + 1) > a for a, b in spans)) for s, e in enc["offset_mapping"]]
+    return list(enc["input_ids"]), mask
+
+
+def _old_tokenize(dataset, tokenizer, max_target_length, fmt, monkeypatch, **kw):
+    monkeypatch.setattr(D, "encode_chat", _old_encode_chat)
+    toks, masks, dropped, truncated, longest = [], [], 0, 0, 0
+    try:
+        for ex in dataset:
+            ids, mask = encode_example(tokenizer, ex, fmt, **kw)
+            longest = max(longest, len(ids))
+            if len(ids) > max_target_length: ids, mask, truncated = ids[:max_target_length], mask[:max_target_length], truncated + 1
+            if not any(mask): dropped += 1; continue
+            toks.append(ids); masks.append(mask)
+    finally: monkeypatch.undo()
+    return D.Examples.from_lists(toks, masks, num_dropped=dropped, num_truncated=truncated, max_length=longest)
+
+
+def _same(a, b):
+    for k in ("tokens", "loss_mask", "offsets"):
+        x, y = np.asarray(getattr(a, k)), np.asarray(getattr(b, k))
+        assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), k
+    assert (a.num_dropped, a.num_truncated, a.max_length) == (b.num_dropped, b.num_truncated, b.max_length)
+
+
+def _write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("template", ["spans", "markers"])
+def test_conversations_are_bit_identical_in_batches_in_processes_and_from_the_cache(toks, template, tmp_path, monkeypatch):
+    """600 chats (1-3 turns, unicode, truncated ones, dropped ones): one process and two, a list of dicts and a
+    memory-mapped dataset, a train_on='all' run and a cache reload all give exactly the reference's arrays."""
+    tok, rows = toks[template], _conversations(600)
+    want = _old_tokenize(rows, tok, 96, "messages", monkeypatch)
+    assert want.num_truncated > 20 and want.num_dropped > 0 and len(want) > 500     # the data exercise both
+    ds = load_dataset_split(_write_jsonl(tmp_path / "chats.jsonl", rows), "train")
+    for data, procs in ((rows, 1), (rows, 2), (ds, 1), (ds, 2)):
+        _same(tokenize_dataset(data, tok, max_target_length=96, num_proc=procs, cache_dir=False), want)
+    cache = tmp_path / "cache"
+    _same(tokenize_dataset(ds, tok, max_target_length=96, num_proc=2, cache_dir=cache), want)      # written
+    monkeypatch.setattr(D, "_encode_all", lambda *a, **k: pytest.fail("tokenized again instead of reading the cache"))
+    _same(tokenize_dataset(ds, tok, max_target_length=96, cache_dir=cache), want)                  # read back
+    monkeypatch.undo()
+    everything = _old_tokenize(rows, tok, 96, "messages", monkeypatch, train_on="all")
+    _same(tokenize_dataset(ds, tok, max_target_length=96, num_proc=2, train_on="all", cache_dir=False), everything)
+
+
+@pytest.mark.parametrize("fmt, rows", [
+    ("prompt_completion", [{"prompt": f"{i} " + " ".join(WORDS[i % 9:]), "completion": " ".join(WORDS[:i % 13 + 1])}
+                           for i in range(300)]),
+    ("prompt_completion", [{"prompt": [{"role": "user", "content": " ".join(WORDS[i % 5:i % 5 + 8])}],
+                            "completion": [{"role": "assistant", "content": " ".join(WORDS[:i % 7 + 1])}]}
+                           for i in range(300)]),
+    ("question_answer", [{"question": " ".join(WORDS[i % 11:]), "answer": f"#### {i}"} for i in range(300)]),
+    ("text", [{"text": " ".join(WORDS[i % 17:]) * (1 + i % 3)} for i in range(300)])])
+def test_the_other_formats_are_bit_identical_in_processes(toks, fmt, rows, monkeypatch):
+    tok = toks["spans"]
+    want = _old_tokenize(rows, tok, 48, fmt, monkeypatch)
+    for procs in (1, 2):
+        _same(tokenize_dataset(rows, tok, max_target_length=48, num_proc=procs, cache_dir=False), want)
+
+
+def test_a_bad_example_in_a_worker_is_named_by_its_place_in_the_dataset(toks):
+    rows = _conversations(400)
+    rows[333] = {"messages": [{"role": "human", "content": "2+2?"}, {"role": "gpt", "content": "4"}]}
+    with pytest.raises(ConfigError, match=r"^example 333 \(messages format\): messages has a message with role 'human'"):
+        tokenize_dataset(rows, toks["spans"], max_target_length=96, num_proc=2, cache_dir=False)
+
+
+def test_the_cache_key_follows_the_data_the_tokenizer_and_the_settings(toks, tmp_path, monkeypatch):
+    """Same data, tokenizer and settings: one entry, read back. A changed file, template, max_target_length, train_on
+    or column: a new entry. The number of processes is not part of the key (the result is the same)."""
+    cache, rows = tmp_path / "cache", _conversations(50)
+    f = _write_jsonl(tmp_path / "c.jsonl", rows)
+    run = lambda tok=toks["spans"], path=f, **kw: tokenize_dataset(load_dataset_split(path, "train"), tok,
+                                                                      **{"max_target_length": 96, "cache_dir": cache, **kw})
+    entries = lambda: sorted(p.name for p in cache.iterdir())
+    first = run(num_proc=1)
+    assert len(entries()) == 1
+    run(num_proc=2)
+    assert len(entries()) == 1
+    rows[7]["messages"][1]["content"] += " changed"
+    _write_jsonl(f, rows)
+    assert not np.array_equal(run().tokens, first.tokens) and len(entries()) == 2
+    run(tok=toks["markers"]); assert len(entries()) == 3
+    run(max_target_length=64); assert len(entries()) == 4
+    run(train_on="all"); assert len(entries()) == 5
+    renamed = _write_jsonl(tmp_path / "r.jsonl", [{"chat": r["messages"]} for r in rows])
+    run(path=renamed, messages_column="chat"); assert len(entries()) == 6
+    _same(run(path=renamed, messages_column="chat"), run())                    # same rows under another column name
+    assert not [p for p in cache.iterdir() if ".tmp-" in p.name]               # no half-written entry left
+
+
+def test_an_unwritable_cache_warns_and_the_examples_are_still_returned(toks, tmp_path, monkeypatch):
+    rows = _conversations(30)
+    want = tokenize_dataset(rows, toks["spans"], max_target_length=96, cache_dir=False)
+    (tmp_path / "a-file").write_text("")                  # a cache directory that cannot be made, even by root
+    with pytest.warns(UserWarning, match="could not cache the tokenized examples"):
+        _same(tokenize_dataset(rows, toks["spans"], max_target_length=96, cache_dir=tmp_path / "a-file" / "c"), want)
+
+
+def test_a_second_sft_run_reads_the_examples_from_the_cache(tmp_path):
+    """`maxpost sft` twice on the embedded task with MAXPOST_CACHE_DIR set: the first run caches its train and eval
+    examples there; the second reads them instead of tokenizing (seen by planting a count in the cached entry,
+    which the second run's data line then reports)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", MAXPOST_CACHE_DIR=str(tmp_path / "cache"))
+    cmd = lambda run: [sys.executable, "-m", "maxpost.cli", "sft", f"base_output_directory={tmp_path}", f"run_name={run}",
+                       "steps=1", "model_name=tiny", "train_split=train[:256]", "eval_split=test[:16]",
+                       "global_batch_size=8", "max_target_length=96", "eval_batches=1"]
+    r = subprocess.run(cmd("a"), env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "train split: 256 examples, 100 truncated" in r.stderr, r.stderr[-3000:]
+    entries = list((tmp_path / "cache" / "tokenized").iterdir())
+    assert len(entries) == 2                                                   # train and eval
+    for e in entries:
+        counts = json.loads((e / "examples.json").read_text())
+        if counts["num_truncated"] == 100: (e / "examples.json").write_text(json.dumps({**counts, "num_truncated": 99}))
+    r = subprocess.run(cmd("b"), env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "train split: 256 examples, 99 truncated" in r.stderr, r.stderr[-3000:]
