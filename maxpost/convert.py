@@ -169,6 +169,9 @@ def _merge_adapter(model: Decoder, adapter: Path) -> Decoder:
     "`model` with the peft LoRA adapter in `adapter` (rank, alpha and targets from its config) merged in."
     from maxpost.lora import add_lora, load_adapter, merge_lora, read_adapter_config
     c = read_adapter_config(adapter)
+    if not isinstance(c.get("r"), int) or isinstance(c.get("r"), bool) or c["r"] <= 0:   # e.g. an empty {} config
+        raise ValueError(f"{adapter}/adapter_config.json gives no LoRA rank 'r' (a positive integer): give the "
+                         "adapter directory peft or maxpost wrote (its config names r, lora_alpha, target_modules)")
     add_lora(model, c["r"], c.get("lora_alpha", 8), c.get("target_modules") or (), rslora=c.get("use_rslora", False))
     return merge_lora(load_adapter(model, adapter))
 

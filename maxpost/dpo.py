@@ -53,6 +53,12 @@ class DPOConfig(TrainConfig, GenerationConfig):
         if self.label_smoothing and self.loss_type not in ("sigmoid", "simpo"):
             out.append(f"label_smoothing={self.label_smoothing} has no effect with loss_type={self.loss_type!r} (it "
                        "smooths the sigmoid of DPO and SimPO); set label_smoothing=0")
+        if self.precompute_ref_log_probs and self.loss_type in REFERENCE_FREE:
+            out.append(f"precompute_ref_log_probs=true has no effect with loss_type={self.loss_type!r} (it uses no "
+                       "reference model); set precompute_ref_log_probs=false")
+        if self.loss_type == "orpo" and self.beta != 0.1:
+            out.append(f"beta={self.beta} has no effect with loss_type='orpo' (its odds-ratio term is weighted by "
+                       "lambda_orpo and it has no reference); drop beta or set lambda_orpo")
         return out
 
 # %% ../nbs/15b_dpo.ipynb

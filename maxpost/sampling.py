@@ -17,9 +17,9 @@ from .model import LOGITS_CHUNK_SIZE, chunk_length, join_chunks, split_chunks, t
 
 # %% auto 0
 __all__ = ['bucket_length', 'left_pad', 'prompt_positions', 'filter_logits', 'draw_categorical', 'first_argmax', 'sample_token',
-           'scaled_logps', 'scaled_entropy', 'prefill', 'decode_chunk', 'decode', 'repeat_rows', 'sample_completions',
-           'stop_id_array', 'Rollout', 'generate', 'chunked_logps', 'completion_logps', 'split_groups', 'merge_groups',
-           'make_logps_fn']
+           'scaled_logps', 'sample_token_logp', 'scaled_entropy', 'prefill', 'decode_chunk', 'decode', 'repeat_rows',
+           'sample_completions', 'stop_id_array', 'Rollout', 'generate', 'chunked_logps', 'completion_logps',
+           'split_groups', 'merge_groups', 'make_logps_fn']
 
 # %% ../nbs/10_sampling.ipynb
 def bucket_length(n: int, max_prompt_length: int, min_bucket: int = 16) -> int:
@@ -102,6 +102,15 @@ def scaled_logps(logits_btv: jax.Array, tokens_bt: jax.Array, temperature=1.0) -
     return token_logps(logits_btv.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0), tokens_bt)
 
 # %% ../nbs/10_sampling.ipynb
+def sample_token_logp(key: jax.Array, logits_bv: jax.Array, temperature, top_k, top_p) -> tuple[jax.Array, jax.Array]:
+    "`sample_token`'s draw and its log-prob under the distribution it was drawn from: the top-k/top-p filtered softmax(logits / temperature), renormalised over the kept tokens; with no filter (or greedy), `scaled_logps`'s."
+    z = filter_logits(logits_bv, temperature, top_k, top_p)
+    tok = jnp.where(temperature > 0, draw_categorical(key, z), first_argmax(logits_bv)).astype(jnp.int32)
+    cut = (temperature > 0) & ((top_k > 0) | (top_p < 1.0))
+    return tok, jnp.where(cut, token_logps(z, tok), scaled_logps(logits_bv, tok, temperature))
+
+
+# %% ../nbs/10_sampling.ipynb
 def scaled_entropy(logits_btv: jax.Array, temperature=1.0) -> jax.Array:
     "Entropy (float32) of softmax(logits / temperature) at each position; temperature 0 counts as 1."
     z = logits_btv.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
@@ -129,8 +138,7 @@ def decode(model, cache, logits_bv, prompt_lengths, key, temperature, top_k, top
     chunk = T if chunk is None else chunk
     def body(c):
         step, live = c["step"], ~c["done"]
-        tok = sample_token(jax.random.fold_in(key, step), c["logits"], temperature, top_k, top_p)
-        lp = scaled_logps(c["logits"], tok, temperature)
+        tok, lp = sample_token_logp(jax.random.fold_in(key, step), c["logits"], temperature, top_k, top_p)
         tok = jnp.where(live, tok, pad_id)
         done = c["done"] | (live & (tok[:, None] == eos_ids[None, :]).any(-1))
         pos = (prompt_lengths + step)[:, None].astype(jnp.int32)

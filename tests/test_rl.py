@@ -467,3 +467,64 @@ def test_one_grpo_update_matches_trl_grpo_trainer(tmp_path):
             assert err < 1e-3, f"step {step + 1}: {name}: relative difference of the change {err:.2e}"
     print(f"gradient norms {norms}; worst relative difference of a tensor's change {worst:.2e}")
     assert max(norms) > 1.0          # clipping was exercised
+
+
+# --- package-level checks of the update step and the mini-batches (issue 43, item 9) ---
+
+def _rl_batch(rng, groups=4, G=2, P=6, T=10, vocab=64):
+    "Whole groups sharing a prompt; completions of very different lengths, so micro-batches hold unequal token counts."
+    B = groups * G
+    prompt = np.repeat(rng.integers(1, vocab, (groups, P)), G, axis=0).astype(np.int32)
+    pmask = np.ones((B, P), np.int32); pmask[:, :rng.integers(0, 3)] = 0
+    lengths = np.array([T, 1, T, 2, 3, T, 1, 1][:B])
+    cmask = (np.arange(T)[None] < lengths[:, None]).astype(np.int32)
+    return {"prompt_ids": prompt, "prompt_mask": pmask, "completion_ids": rng.integers(1, vocab, (B, T)).astype(np.int32),
+            "completion_mask": cmask, "advantages": rng.normal(size=B).astype(np.float32),
+            "old_per_token_logps": (rng.normal(size=(B, T)) * 0.1 - 4.2).astype(np.float32)}
+
+
+@pytest.mark.parametrize("accum", [2, 4])
+def test_rl_step_accumulation_equals_one_big_batch(accum):
+    """make_rl_step with accum micro-batches moves the weights exactly as plain autodiff of the whole batch's
+    token-mean loss (divided by the mini-batch's token count, not each micro-batch's)."""
+    import optax
+    from maxpost.rl import make_rl_step
+    from maxpost.sampling import completion_logps
+    from maxpost.policy_loss import policy_loss
+    model = create_model(get_model_config("tiny", num_layers=1, d_model=64, mlp_dim=128, vocab_size=64,
+                                          num_heads=2, num_kv_heads=1), seed=0)
+    gd, p0, rest = nnx.split(model, nnx.Param, ...)
+    batch = _rl_batch(np.random.default_rng(accum))
+    kw = dict(loss_algo="grpo", epsilon_low=0.2, epsilon_high=0.28, beta=0.0, kl_estimator="k3",
+              loss_agg_mode="token-mean", max_completion_length=10)
+    def big_loss(p):
+        logps = completion_logps(nnx.merge(gd, p, rest), batch["prompt_ids"], batch["prompt_mask"],
+                                 batch["completion_ids"], batch["completion_mask"], 1.0, 2, chunk_size=None)
+        return policy_loss(logps, batch["old_per_token_logps"], None, batch["advantages"], batch["completion_mask"], **kw)[0]
+    tx = optax.sgd(1.0)   # the weights move by exactly the gradient
+    g = jax.grad(big_loss)(p0)
+    want = jax.tree.map(lambda p, d: p - d, p0, g)
+    step = make_rl_step(gd, tx, kw, 1.0, num_generations=2, accum=accum, chunk_size=None)
+    p, _, metrics = step(jax.tree.map(jnp.copy, p0), rest, tx.init(p0), batch)
+    moved = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(p0)))
+    assert moved > 1e-4
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(metrics["loss"], big_loss(p0), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("batch_size,G,mini", [(12, 3, 6), (16, 4, 4), (16, 2, 8), (24, 4, 8)])
+def test_group_mini_batches_keep_whole_groups(batch_size, G, mini):
+    "Each mini-batch is whole groups (rows g*G..g*G+G-1, in order), every row once, and the groups are shuffled."
+    from maxpost.rl import group_mini_batches
+    seen = set()
+    for seed in range(20):
+        mbs = group_mini_batches(np.random.default_rng(seed), batch_size, G, mini)
+        assert len(mbs) == batch_size // mini and all(len(mb) == mini for mb in mbs)
+        assert sorted(np.concatenate(mbs).tolist()) == list(range(batch_size))
+        for mb in mbs:
+            rows = np.asarray(mb).reshape(-1, G)
+            np.testing.assert_array_equal(rows % G, np.tile(np.arange(G), (len(rows), 1)))   # a group's rows, in order
+            np.testing.assert_array_equal(rows // G, np.repeat(rows[:, :1] // G, G, axis=1))  # all from one group
+        seen.add(tuple(tuple(sorted(np.asarray(mb) // G)) for mb in mbs))
+    assert len(seen) > 1   # the groups are shuffled across passes

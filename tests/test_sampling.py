@@ -47,7 +47,34 @@ def log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 20, 0.9), (0.0, 0, 1.0)])
+def np_filtered_log_softmax(z, top_k, top_p):
+    "NumPy: keep the top_k (0: all), then the nucleus (mass strictly ahead < top_p, the first always), renormalise."
+    order = np.argsort(-z, -1, kind="stable"); srt = np.take_along_axis(z, order, -1)
+    rank = np.arange(z.shape[-1])
+    keep = (rank < top_k) if top_k > 0 else np.ones_like(srt, bool)
+    ps = np.exp(log_softmax(np.where(keep, srt, -np.inf)))
+    keep = keep & ((top_p >= 1) | (np.cumsum(ps, -1) - ps < top_p) | (rank == 0))
+    kept = np.full_like(z, -np.inf)
+    np.put_along_axis(kept, order, np.where(keep, srt, -np.inf), -1)
+    return log_softmax(kept)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.3, 20, 0.9), (1.0, 0, 0.9), (0.8, 5, 1.0)])
+def test_sampler_logps_under_top_k_top_p_are_the_sampled_distributions(model, temperature, top_k, top_p):
+    """Under top-k / top-p the sampler reports the log-prob of the distribution it drew from (the filtered softmax,
+    renormalised over the kept tokens: issue 43 item 6), not the full softmax the loss's teacher forcing computes."""
+    r = generate(model, PROMPTS, max_prompt_length=32, max_completion_length=10, num_generations=3,
+                 temperature=temperature, top_k=top_k, top_p=top_p, seed=1)
+    m = r.completion_mask > 0
+    ref = np.take_along_axis(np_filtered_log_softmax(teacher_forced_logits(model, r) / temperature, top_k, top_p),
+                             r.completion_ids[..., None], -1)[..., 0]
+    assert np.isfinite(ref[m]).all() and np.abs(ref[m] - r.per_token_logps[m]).max() < 1e-4
+    full = np.asarray(completion_logps(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                                       temperature=temperature))
+    assert (r.per_token_logps[m] >= full[m] - 1e-5).all() and (r.per_token_logps[m] - full[m]).max() > 1e-2
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.0, 0, 1.0)])
 def test_sampler_logps_equal_teacher_forced(model, temperature, top_k, top_p):
     r = generate(model, PROMPTS, max_prompt_length=32, max_completion_length=10, num_generations=3,
                  temperature=temperature, top_k=top_k, top_p=top_p, seed=1)
