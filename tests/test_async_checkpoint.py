@@ -9,7 +9,7 @@ from flax import nnx
 
 from maxpost.checkpoint import CheckpointError, checkpoint_manager, finish_saves, restore_state, save_state
 from maxpost.model import create_model, get_model_config
-from maxpost.setup import read_metrics
+from maxpost.rundir import read_metrics
 from maxpost.sharding import make_mesh
 
 ROOT = Path(__file__).resolve().parent.parent
