@@ -9,26 +9,16 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from . import config as _config
-from .config import ConfigError, KINDS, describe_keys, load_config, split_base, to_yaml
+from .config import ConfigError, KINDS, describe_keys, kind_modules, load_config, load_kinds, split_base, to_yaml
 from .rundir import RunLocked
 from .checkpoint import CheckpointError
 from .train import RunStopped
 from .convert import convert_main
 
 # %% auto 0
-__all__ = ['EXIT_CODES', 'kind_modules', 'load_kinds', 'commands', 'command_help', 'show_config', 'exit_code', 'quiet_libraries',
-           'main']
+__all__ = ['EXIT_CODES', 'commands', 'command_help', 'show_config', 'exit_code', 'quiet_libraries', 'main']
 
 # %% ../nbs/17_cli.ipynb
-def kind_modules(package: Path = Path(_config.__file__).parent) -> list[str]:
-    "The modules of the package that declare a kind: a line that starts `KIND = register_kind(`. Read, not imported, so a new kind is one module and nothing here names it."
-    return sorted(f.stem for f in package.glob("*.py") if re.search(r"^KIND = register_kind\(", f.read_text(), re.M))
-
-def load_kinds() -> dict:
-    "Import every kind module once (each registers itself in `KINDS`) and return `KINDS`."
-    for m in kind_modules(): importlib.import_module(f"{__package__ or 'maxpost'}.{m}")
-    return KINDS
-
 def commands() -> dict:
     "Every command: `name -> (main(argv) -> int, one line of help)`, the registered kinds first, by name."
     kinds = {k.name: (k.main, k.help) for k in sorted(load_kinds().values(), key=lambda k: k.name)}

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_config.ipynb 3
 from __future__ import annotations
-import difflib, json, os
+import difflib, importlib.util, json, os, re
 from dataclasses import dataclass, field, fields, MISSING as _NO_DEFAULT
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -16,10 +16,10 @@ import yaml
 # %% auto 0
 __all__ = ['DTYPES', 'ATTENTION_IMPLEMENTATIONS', 'REMAT_POLICIES', 'REMAT_CHOICES', 'LR_SCHEDULES', 'KINDS', 'LORA_TARGETS',
            'ALL_LINEAR', 'CONFIG_DIR', 'key', 'resumable_keys', 'RunConfig', 'QAConfig', 'GenerationConfig',
-           'TrainConfig', 'Kind', 'register_kind', 'kind_of', 'choices', 'value_problems', 'check_run_name',
-           'parse_target_modules', 'target_modules_problem', 'ConfigError', 'validate', 'derived_defaults',
-           'default_base', 'parse_overrides', 'load_config', 'run_dir', 'to_yaml', 'describe_keys', 'effective_config',
-           'split_base', 'eval_source']
+           'TrainConfig', 'Kind', 'register_kind', 'kind_modules', 'load_kinds', 'kind_of', 'choices', 'value_problems',
+           'check_run_name', 'parse_target_modules', 'target_modules_problem', 'ConfigError', 'validate',
+           'derived_defaults', 'default_base', 'parse_overrides', 'load_config', 'run_dir', 'to_yaml', 'describe_keys',
+           'effective_config', 'split_base', 'eval_source']
 
 # %% ../nbs/00_config.ipynb
 DTYPES = ("float32", "bfloat16")
@@ -206,12 +206,23 @@ def register_kind(name: str, config: type, main: Callable[..., int], help: str, 
     KINDS[name] = k = Kind(name, config, main, help, trainer)
     return k
 
+def kind_modules(package: Optional[Path] = None) -> list[str]:
+    "The modules of the package that declare a kind: a line that starts `KIND = register_kind(`. Read, not imported, so a new kind is one module and nothing here names it."
+    package = package or Path(importlib.util.find_spec("maxpost").submodule_search_locations[0])
+    return sorted(f.stem for f in package.glob("*.py") if re.search(r"^KIND = register_kind\(", f.read_text(), re.M))
+
+def load_kinds() -> dict:
+    "Import every kind module once (each registers itself in `KINDS`) and return `KINDS`."
+    for m in kind_modules(): importlib.import_module(f"maxpost.{m}")
+    return KINDS
+
 def kind_of(kind: str | Kind) -> Kind:
-    "The registered `Kind` of that name (a `Kind` is returned as it is)."
+    "The registered `Kind` of that name (a `Kind` is returned as it is); a name not registered yet has its module imported first."
     if isinstance(kind, Kind): return kind
+    if kind not in KINDS: load_kinds()
     if kind not in KINDS:
-        raise KeyError(f"no kind {kind!r} is registered (registered: {', '.join(KINDS) or 'none'}); a kind registers "
-                       "when its module is imported, e.g. `import maxpost.sft`, and `maxpost.cli.load_kinds()` imports them all")
+        raise KeyError(f"no kind {kind!r} (kinds: {', '.join(sorted(KINDS))}); a kind is a module of maxpost with a "
+                       "line `KIND = register_kind(...)`")
     return KINDS[kind]
 
 # %% ../nbs/00_config.ipynb

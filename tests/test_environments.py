@@ -83,6 +83,17 @@ def log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+def filtered_log_softmax(z, top_k, top_p):
+    "NumPy: the distribution the sampler draws from: keep the top_k (0: all), then the nucleus, renormalise."
+    srt = -np.sort(-z, -1)
+    rank = np.arange(z.shape[-1])
+    keep = (top_k <= 0) | (rank < top_k)
+    ps = np.exp(log_softmax(np.where(keep, srt, -np.inf)))
+    keep = keep & ((top_p >= 1) | (np.cumsum(ps, -1) - ps < top_p) | (rank == 0))
+    smallest = np.take_along_axis(srt, keep.sum(-1, keepdims=True) - 1, -1)
+    return log_softmax(np.where(z >= smallest, z, -np.inf))
+
+
 _forward = nnx.jit(lambda m, x: m(x))
 
 
@@ -101,13 +112,19 @@ def test_one_forward_pass_gives_the_sampler_logps_turn_by_turn(model, tok, tempe
         span = slice(n, n + len(ids))
         assert ep.completion_ids[b][span].tolist() == ids     # the tokens trained on are the tokens sampled
         assert (ep.completion_mask[b][span] == 1).all()
-        np.testing.assert_allclose(trainer[b][span], lp, atol=1e-4)            # trainer == sampler, this turn
-        # and both equal an independent NumPy log-softmax of a full forward of the unpadded conversation
+        # the sampler's log-probs equal an independent NumPy log-softmax of a full forward of the unpadded
+        # conversation, under the distribution it drew from (top-k/top-p renormalised: issue 43 item 6)
         seq = ctx + ids
         x = np.zeros((1, 192), np.int32); x[0, :len(seq)] = seq
         logits = np.asarray(_forward(model, jnp.asarray(x))[0, len(ctx) - 1:len(seq) - 1], np.float64)
-        ref = np.take_along_axis(log_softmax(logits / temperature), np.array(ids)[:, None], -1)[:, 0]
-        np.testing.assert_allclose(ref, lp, atol=1e-4)
+        full = np.take_along_axis(log_softmax(logits / temperature), np.array(ids)[:, None], -1)[:, 0]
+        drawn = np.take_along_axis(filtered_log_softmax(logits / temperature, top_k, top_p), np.array(ids)[:, None],
+                                   -1)[:, 0]
+        np.testing.assert_allclose(drawn, lp, atol=1e-4)
+        # the trainer's one forward pass over the whole episode gives the full-softmax log-probs of the same tokens,
+        # this turn (== the sampler's when nothing is filtered)
+        np.testing.assert_allclose(trainer[b][span], full, atol=1e-4)
+        if top_k == 0 and top_p >= 1: np.testing.assert_allclose(trainer[b][span], lp, atol=1e-4)
     assert (ep.completion_mask == (ep.turn_ids >= 0)).all() and (ep.per_token_logps[ep.completion_mask == 0] == 0).all()
 
 
