@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One call on a lent TPU (or any accelerator host whose JAX is installed and whose package index holds the rest):
+# install what maxpost needs beside the host's JAX, then run the README's main job, bench/accelerator.py and the CLI
+# at a real shape, each part time-boxed, logs under $OUT. Run from the repository root:
+#   OUT=/tmp/out bash bench/device/tpu_run.sh            # QUICK=1: tiny shapes (a CPU rehearsal, nothing installed)
+set -u
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TF_CPP_MIN_LOG_LEVEL=2
+OUT=${OUT:-/tmp/tpu_out}; mkdir -p "$OUT"; R=${R:-/tmp/runs}; PY=${PY:-python3}
+part() { local name=$1 box=$2; shift 2; local t=$(date +%s)
+  timeout "$box" "$@" > "$OUT/$name.log" 2>&1; echo "== $name exit $? after $(( $(date +%s) - t )) s (box $box s)"
+  grep -v "^\s*$" "$OUT/$name.log" | tail -${TAIL:-8}; }
+if [ -z "${QUICK:-}" ]; then
+  t=$(date +%s)
+  # carried as wheels (.whl-tpu, see bench/README.md): what the host's index lacks or holds in a version that does not fit
+  [ -d .whl-tpu ] && PIP_CONFIG_FILE=/dev/null $PY -m pip install --isolated -q --no-index --no-deps --no-compile --target /tmp/site \
+    .whl-tpu/*.whl > "$OUT/install.log" 2>&1
+  PIP_CONFIG_FILE=/dev/null $PY -m pip install --isolated -q --only-binary=:all: --no-compile --index-url file:///opt/pypi/simple \
+    --target /tmp/site ${PKGS:-flax==0.12.8 optax orbax-checkpoint datasets safetensors tokenizers transformers jinja2 tqdm pyyaml cloudpickle} \
+    >> "$OUT/install.log" 2>&1; echo "== install exit $? after $(( $(date +%s) - t )) s"; grep -v notice "$OUT/install.log" | tail -3
+  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+$PY -c "import jax, flax, optax, orbax.checkpoint, transformers; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'transformers', transformers.__version__, jax.devices())" 2>&1 | tail -2
+T0=$(date +%s)
+Q=${QUICK:+steps=20}
+part main_sft ${T_SFT:-150} $PY -m maxpost.cli sft base_output_directory=$R $Q
+part main_rl ${T_RL:-150} $PY -m maxpost.cli rl base_output_directory=$R ${QUICK:+steps=2 eval_num_prompts=8}
+if [ -z "${QUICK:-}" ]; then A="--preset ${M:-qwen3-0.6b} --batches 16 64 --reps 2 --hbm-tbs 0.82"; else A="--quick"; fi
+part accelerator ${T_ACC:-170} $PY bench/accelerator.py $A
+part sft_real ${T_REAL:-130} $PY -m maxpost.cli sft run_name=real-shape base_output_directory=$R model_name=${M:-qwen3-0.6b} \
+  ${QUICK:+model_name=tiny} dtype=bfloat16 steps=${S4:-30} global_batch_size=8 max_target_length=${L4:-1024} learning_rate=1e-5 \
+  warmup_steps=0 log_period=5 eval_interval=0 eval_num_prompts=0 checkpoint_period=100000
+for d in $R/*; do [ -f $d/metrics.jsonl ] && sed "s/^/$(basename $d) /" $d/metrics.jsonl; done > "$OUT/metrics_all.txt"
+cp $R/*/timing.json "$OUT/" 2>/dev/null
+echo "total $(( $(date +%s) - T0 )) s"
