@@ -29,7 +29,7 @@ def test_fallback_drops_the_first_record_and_marks_missing_parts(tmp_path):
     assert row["first_step_s"] == 7.0 and row["steps_done"] == 3 and not row["timing_json"]
     assert row["step/device"] is None and "host_pct" not in row
     assert row["first_sum_ok"] is None and row["step_sum_ok"] is None
-    assert overhead.table([("sft", row)]).endswith("| sft | 20 | 7 | — | — | — | — | — | — | — | 300 | — | — | — | — | 0 |")
+    assert overhead.table([("sft", row)]).endswith("| sft | 20 | 7 | 7 | — | — | — | — | — | — | — | — | 300 | — | — | — | — | 0 |")
 
 
 def test_timing_json_wins_and_host_overhead_is_wall_minus_device(tmp_path):
@@ -42,6 +42,7 @@ def test_timing_json_wins_and_host_overhead_is_wall_minus_device(tmp_path):
     assert row["step/step"] == 0.1 and row["step/steps_timed"] == 19 and row["step/mfu"] == 0.25
     assert abs(row["host_ms"] - 40.0) < 1e-9 and abs(row["host_pct"] - 40.0) < 1e-9
     assert row["first_sum_ok"] is True and row["step_sum_ok"] is False      # 9.8 of 10 s; 0.095 of 0.1 s (5 % off: no)
+    assert row["first_seen_ok"] is False                                     # 10 s by the run's clock, 7 s seen
 
 
 def test_per_record_parts_when_timing_json_is_absent(tmp_path):
@@ -110,3 +111,15 @@ def test_before_after_rounds_on_a_stand_in_checkout(tmp_path):
     rows = [l.split(" | ")[0] for l in res["table"].splitlines()[2:]]
     assert rows == ["| sft before", "| sft after", "| rl before", "| rl after", "| dpo before", "| dpo after",
                     "| eval before", "| eval after"]
+
+
+def test_a_command_past_its_box_is_stopped_and_keeps_its_records(tmp_path):
+    "launch() sends SIGTERM at the box; the records written before it are still read."
+    co = tmp_path / "co" / "maxpost"; co.mkdir(parents=True)
+    (co / "__init__.py").write_text("")
+    (co / "cli.py").write_text('import json, sys, time\nfrom pathlib import Path\nd = Path(sys.argv[1]); d.mkdir()\n'
+                               '(d / "metrics.jsonl").write_text(json.dumps({"step": 1, "kind": "train"}) + "\\n")\n'
+                               'time.sleep(600)\n')
+    run = tmp_path / "run"
+    res = overhead.launch(co.parent, [str(run)], run, tmp_path / "log", timeout=3.0)
+    assert res["timed_out"] and res["returncode"] == -15 and [a[:2] for a in res["arrivals"]] == [[1, "train"]]
