@@ -12,7 +12,7 @@ Where a run has no timing.json (maxpost before issue 41) the table falls back to
 process's start to its first logged train step (seen from here, by watching metrics.jsonl) and the mean
 `timing/step` of steps 2..N; the parts it lacks show as "—". Host overhead per step = wall step - device step.
 "parts = step?" and "parts = first?" say whether the parts add to within 5 % of the wall step and of the time to
-first step; "first = seen?" whether timing.json's time to first step is within 5 % of the one seen from here (from
+first step (the named parts: an `other` that a run reports, the rest it cannot name, is shown but not added); "first = seen?" whether timing.json's time to first step is within 5 % of the one seen from here (from
 the process's launch: a run clock that starts after the imports falls short of it).
 
     .venv/bin/python bench/overhead.py                     # this checkout -> bench/results/overhead.json
@@ -103,12 +103,18 @@ def mean(xs: list) -> float | None:
 
 
 def steady_parts(timing: dict | None, records: list[dict]) -> dict:
-    """Per-step means past the first logged record (which holds step 1, compilation included): `step` (wall) and each
-    of STEP_PARTS, from timing.json's `steps`, else from metrics.jsonl's `timing/<part>` (None where neither has it),
-    and `mfu` where logged."""
+    """Per-step means past the first logged record (which holds step 1, compilation included): `step` (wall) and the
+    parts that add up to it. From timing.json's `steps` (keys with or without `timing/`): every part it has, STEP_PARTS
+    and any other (rewards, ...); else from metrics.jsonl's `timing/<part>` of STEP_PARTS (None where missing: a
+    record also holds older `timing/*` keys that overlap them). Also `mfu` where logged, and `parts`: the names summed."""
     later = records[1:]
-    from_file = (timing or {}).get("steps") or {}
-    out = {k: from_file.get(k, mean([r.get(f"timing/{k}") for r in later])) for k in ("step", *STEP_PARTS)}
+    from_file = {k.removeprefix("timing/"): v for k, v in ((timing or {}).get("steps") or {}).items()}
+    if from_file:
+        out = {k: from_file.get(k) for k in ("step", *STEP_PARTS)} | from_file
+        out["parts"] = [k for k in out if k != "step"]
+    else:
+        out = {k: mean([r.get(f"timing/{k}") for r in later]) for k in ("step", *STEP_PARTS)}
+        out["parts"] = list(STEP_PARTS)
     out["mfu"] = mean([r.get("mfu") for r in later])
     out["steps_timed"] = (timing or {}).get("steps_timed", len(later))
     return out
@@ -127,17 +133,18 @@ def summarize(kind: str, launched: dict, run_dir: Path) -> dict:
     seen_first = next((s for step, k, s in launched["arrivals"] if k == "train"), None)
     records = train_records(run_dir)
     steady = steady_parts(timing, records)
+    summed = steady.pop("parts")
     row = {"kind": kind, "wall_s": launched["wall_s"], "returncode": launched["returncode"],
            "timed_out": launched["timed_out"], "timing_json": timing is not None, "steps_done": len(records),
            "first_step_seen_s": seen_first, "first_step_s": first.get("total", seen_first),
-           "compiles": first.get("compiles"), **{f"first/{k}": first.get(k) for k in FIRST_PARTS},
+           "compiles": first.get("compiles"), **{f"first/{k}": first.get(k) for k in (*FIRST_PARTS, "other")},
            **{f"step/{k}": v for k, v in steady.items()}}
     wall, device = steady["step"], steady["device"]
     if wall is not None and device is not None:
         row["host_ms"], row["host_pct"] = 1e3 * (wall - device), 100 * (wall - device) / wall
     row["first_sum_ok"] = adds_up(first.get("total"), [first.get(k) for k in FIRST_PARTS])
     row["first_seen_ok"] = adds_up(seen_first, [first.get("total")])   # the run's own clock misses no start-up
-    row["step_sum_ok"] = adds_up(wall, [steady[k] for k in STEP_PARTS])
+    row["step_sum_ok"] = adds_up(wall, [steady[k] for k in summed])
     return row
 
 
@@ -166,14 +173,14 @@ def table(rows: list[tuple[str, dict]]) -> str:
     """A markdown table of (label, row): process wall time and time to first step with its parts (s), then the
     steady step (ms) and its host overhead."""
     head = ["command", "process s", "first step s", "seen s", "startup", "data", "weights", "compile (n)", "memory check",
-            "first eval", "parts = first?", "first = seen?", "wall step ms", "device ms", "host ms", "host %", "parts = step?", "exit"]
+            "first eval", "other", "parts = first?", "first = seen?", "wall step ms", "device ms", "host ms", "host %", "parts = step?", "exit"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for label, r in rows:
         compile_ = fmt(r["first/compile"]) + (f" ({r['compiles']})" if r.get("compiles") is not None else "")
         status = "timeout" if r["timed_out"] else str(r["returncode"])
         cells = [label, fmt(r["wall_s"]), fmt(r["first_step_s"]), fmt(r["first_step_seen_s"]),
                  *(fmt(r[f"first/{k}"]) for k in FIRST_PARTS[:3]), compile_, fmt(r["first/memory_check"]),
-                 fmt(r["first/first_eval"]), fmt(r["first_sum_ok"]), fmt(r.get("first_seen_ok")),
+                 fmt(r["first/first_eval"]), fmt(r["first/other"]), fmt(r["first_sum_ok"]), fmt(r.get("first_seen_ok")),
                  fmt(ms(r["step/step"])), fmt(ms(r["step/device"])), fmt(r.get("host_ms")), fmt(r.get("host_pct"), 2),
                  fmt(r["step_sum_ok"]), status]
         lines.append("| " + " | ".join(cells) + " |")

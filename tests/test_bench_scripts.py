@@ -29,7 +29,7 @@ def test_fallback_drops_the_first_record_and_marks_missing_parts(tmp_path):
     assert row["first_step_s"] == 7.0 and row["steps_done"] == 3 and not row["timing_json"]
     assert row["step/device"] is None and "host_pct" not in row
     assert row["first_sum_ok"] is None and row["step_sum_ok"] is None
-    assert overhead.table([("sft", row)]).endswith("| sft | 20 | 7 | 7 | — | — | — | — | — | — | — | — | 300 | — | — | — | — | 0 |")
+    assert overhead.table([("sft", row)]).endswith("| sft | 20 | 7 | 7 | — | — | — | — | — | — | — | — | — | 300 | — | — | — | — | 0 |")
 
 
 def test_timing_json_wins_and_host_overhead_is_wall_minus_device(tmp_path):
@@ -43,6 +43,16 @@ def test_timing_json_wins_and_host_overhead_is_wall_minus_device(tmp_path):
     assert abs(row["host_ms"] - 40.0) < 1e-9 and abs(row["host_pct"] - 40.0) < 1e-9
     assert row["first_sum_ok"] is True and row["step_sum_ok"] is False      # 9.8 of 10 s; 0.095 of 0.1 s (5 % off: no)
     assert row["first_seen_ok"] is False                                     # 10 s by the run's clock, 7 s seen
+
+
+def test_timing_json_keys_with_prefix_and_a_part_of_the_kinds_own(tmp_path):
+    "maxpost writes `steps` as timing/<part>; a part beyond STEP_PARTS (RL's rewards) is added; `other` is not."
+    first = {"startup": 2.0, "data": 1.0, "weights": 0.5, "compile": 4.0, "compiles": 3, "memory_check": 0.3,
+             "first_eval": 1.0, "other": 1.2, "total": 10.0}
+    steps = {"timing/step": 0.1, **{f"timing/{k}": v for k, v in PARTS.items()}, "timing/rewards": 0.005}
+    row = overhead.summarize("rl", launched(), plant(tmp_path / "r", [], {"first_step": first, "steps": steps}))
+    assert row["step/rewards"] == 0.005 and row["step/device"] == 0.060 and row["first/other"] == 1.2
+    assert row["step_sum_ok"] is True and row["first_sum_ok"] is False     # 8.8 of 10 s named: 12 % unexplained
 
 
 def test_per_record_parts_when_timing_json_is_absent(tmp_path):
