@@ -115,8 +115,12 @@ def main(argv=None) -> int:
     todo = [x for x in (quick_parts() if a.quick else parts(a.model, a.param_dtype)) if x[0] in a.parts]
     device, t0 = device_line(), time.perf_counter()
     print(f"device: {device}", flush=True)
+    rows = []
     try:
-        rows = [run_part(part, kind, args, box * a.box_scale, work, out) for part, kind, args, box in todo]
+        for i, (part, kind, args, box) in enumerate(todo):
+            rows.append(run_part(part, kind, args, box * a.box_scale, work, out))
+            if a.work is None and (i + 1 == len(todo) or todo[i + 1][0] != part):
+                shutil.rmtree(work / part, ignore_errors=True)   # a 1B run's checkpoints: gigabytes of /tmp
     finally:
         if a.work is None: shutil.rmtree(work, ignore_errors=True)
     total = time.perf_counter() - t0
