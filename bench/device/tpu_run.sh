@@ -3,6 +3,7 @@
 # install what maxpost needs beside the host's JAX, then run the README's main job, bench/accelerator.py and the CLI
 # at a real shape, each part time-boxed, logs under $OUT. Run from the repository root:
 #   OUT=/tmp/out bash bench/device/tpu_run.sh            # QUICK=1: tiny shapes (a CPU rehearsal, nothing installed)
+#   E2E=1 OUT=/tmp/out bash bench/device/tpu_run.sh      # bench/e2e.py instead (E2E_ARGS: its options)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TF_CPP_MIN_LOG_LEVEL=2
 OUT=${OUT:-/tmp/tpu_out}; mkdir -p "$OUT"; R=${R:-/tmp/runs}; PY=${PY:-python3}
@@ -22,6 +23,9 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 $PY -c "import jax, flax, optax, orbax.checkpoint, transformers; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'transformers', transformers.__version__, jax.devices())" 2>&1 | tail -2
 T0=$(date +%s)
+if [ -n "${E2E:-}" ]; then   # bench/e2e.py: the main job, then SFT, RL and DPO at a 1B preset, with where the time goes
+  $PY bench/e2e.py ${E2E_ARGS:---param-dtype bfloat16 --box-scale 0.95} ${QUICK:+--quick}; echo "total $(( $(date +%s) - T0 )) s"; exit
+fi
 Q=${QUICK:+steps=20}
 part main_sft ${T_SFT:-150} $PY -m maxpost.cli sft base_output_directory=$R $Q
 part main_rl ${T_RL:-150} $PY -m maxpost.cli rl base_output_directory=$R ${QUICK:+steps=2 eval_num_prompts=8}
