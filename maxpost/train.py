@@ -219,7 +219,9 @@ class StepCompiler:
     @classmethod
     def _signature(cls, args) -> tuple:
         leaves, tree = jax.tree.flatten(args)
-        return tree, tuple((np.shape(x), np.dtype(getattr(x, "dtype", np.asarray(x).dtype)), cls._layout(x)) for x in leaves)
+        # `x.dtype`, never `np.asarray(x)` (a getattr default is evaluated every time: a copy of every array to the host)
+        dtype = lambda x: np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+        return tree, tuple((np.shape(x), dtype(x), cls._layout(x)) for x in leaves)
 
     def compile(self, *args):
         "The compiled program for `args` (arrays or `jax.ShapeDtypeStruct`s), compiling it the first time."
@@ -355,7 +357,7 @@ class Trainer:
     "The train state and the loop SFT and RL share; a subclass defines `train_step`, `evaluate` and its data state."
     kind, eval_at_start, summary_keys = "train", False, ("loss",)
     progress_keys = ("loss",)   # the metrics the progress bar shows; a kind adds its own (eval_loss, reward, pass@1)
-    non_logging_guard = None    # a `jax.transfer_guard_device_to_host` level for the steps that log nothing
+    non_logging_guard = None    # a context manager (factory) each step that logs nothing runs in: a check that it fetches nothing
 
     def __init__(self, cfg: TrainConfig, setup: Setup | None = None):
         "`setup` (chapter `07b_policy`): the mesh, tokenizer and models the command built; default `setup_run(cfg)`, the policy alone."
@@ -459,8 +461,7 @@ class _Timing:
         "One train step; a logging step (and the first) runs alone and is waited for: its device time."
         tr, clock = self.tr, self.tr.clock
         timed = logging or self.first is None
-        guard = tr.non_logging_guard if not logging else None
-        with jax.transfer_guard_device_to_host(guard) if guard else contextlib.nullcontext():
+        with tr.non_logging_guard() if tr.non_logging_guard and not logging else contextlib.nullcontext():
             if timed: jax.block_until_ready(tr.params); t0, c0 = time.perf_counter(), sum(clock.parts.values())
             m = tr.train_step()
             if timed: jax.block_until_ready(m); self.device = time.perf_counter() - t0 - (sum(clock.parts.values()) - c0)
