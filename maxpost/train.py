@@ -515,7 +515,7 @@ def timing_lines(rec: dict) -> list[str]:
     "`timing.json`'s record as lines: the time to the first step, then the mean step, one line per part."
     f, s = rec["first_step"], rec["steps"]
     out = [f"time to first step {f['total']:.2f} s:"]
-    out += [f"  {k:<13}{f[k]:8.3f} s" + (f" ({f['compiles']} programs)" if k == "compile" else "")
+    out += [f"  {k:<13}{f[k]:8.3f} s" + (f" ({f['compiles']} program{'s' * (f['compiles'] != 1)})" if k == "compile" else "")
             for k in f if k not in ("total", "compiles")]
     if s:
         out.append(f"steady step {1e3 * s['timing/step']:.2f} ms (mean of {rec['steps_timed']} steps):")
