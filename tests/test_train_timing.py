@@ -38,7 +38,8 @@ def test_the_parts_add_up_to_the_wall_step_and_to_the_first_step(tmp_path):
     first = rec["first_step"]
     assert set(first) == {*FIRST_PARTS, "compiles", "total", "other"}
     named = sum(first[k] for k in FIRST_PARTS)
-    assert abs(named + first["other"] - first["total"]) < 1e-6 and first["compiles"] >= 1, first
+    # (how many programs were compiled depends on what the persistent cache already holds: the rerun test counts them)
+    assert abs(named + first["other"] - first["total"]) < 1e-6 and isinstance(first["compiles"], int), first
     assert first["data"] > 0 and first["weights"] > 0 and first["compile"] > 0 and first["memory_check"] > 0
     assert first["startup"] > 0 and first["total"] > first["startup"]
     steps = rec["steps"]
