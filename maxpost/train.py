@@ -361,7 +361,8 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, setup: Setup | None = None):
         "`setup` (chapter `07b_policy`): the mesh, tokenizer and models the command built; default `setup_run(cfg)`, the policy alone."
-        self.clock, self.started = Clock(), time.time()      # `started`: the end of start-up (process start to here)
+        if not hasattr(self, "clock"):   # a subclass that builds its setup first starts the clock (and `started`) itself
+            self.clock, self.started = Clock(), time.time()  # `started`: the end of start-up (process start to here)
         compile_watch(); use_compilation_cache(cfg)           # before the first compilation
         precheck_run_dir(cfg)
         if setup is None:
