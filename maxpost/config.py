@@ -14,15 +14,17 @@ from omegaconf.errors import OmegaConfBaseException
 import yaml
 
 # %% auto 0
-__all__ = ['DTYPES', 'ATTENTION_IMPLEMENTATIONS', 'REMAT_POLICIES', 'REMAT_CHOICES', 'LR_SCHEDULES', 'KINDS', 'LORA_TARGETS',
-           'ALL_LINEAR', 'CONFIG_DIR', 'key', 'resumable_keys', 'RunConfig', 'QAConfig', 'GenerationConfig',
-           'TrainConfig', 'Kind', 'register_kind', 'kind_modules', 'load_kinds', 'kind_of', 'choices', 'value_problems',
-           'check_run_name', 'parse_target_modules', 'target_modules_problem', 'ConfigError', 'validate',
-           'derived_defaults', 'default_base', 'parse_overrides', 'load_config', 'run_dir', 'to_yaml', 'describe_keys',
-           'effective_config', 'split_base', 'eval_source']
+__all__ = ['DTYPES', 'DTYPE_CHOICES', 'ATTENTION_IMPLEMENTATIONS', 'REMAT_POLICIES', 'REMAT_CHOICES', 'LR_SCHEDULES', 'KINDS',
+           'LORA_TARGETS', 'ALL_LINEAR', 'CONFIG_DIR', 'key', 'resumable_keys', 'platform', 'resolve_dtype',
+           'RunConfig', 'QAConfig', 'GenerationConfig', 'TrainConfig', 'Kind', 'register_kind', 'kind_modules',
+           'load_kinds', 'kind_of', 'choices', 'close_names', 'value_problems', 'check_run_name',
+           'parse_target_modules', 'target_modules_problem', 'ConfigError', 'validate', 'derived_defaults',
+           'default_base', 'parse_overrides', 'load_config', 'run_dir', 'to_yaml', 'describe_keys', 'effective_config',
+           'split_base', 'eval_source']
 
 # %% ../nbs/00_config.ipynb
 DTYPES = ("float32", "bfloat16")
+DTYPE_CHOICES = ("auto", *DTYPES)   # what `dtype` may say: auto = bfloat16 on a GPU or TPU, float32 on a CPU
 ATTENTION_IMPLEMENTATIONS = ("auto", "blockwise", "cudnn", "splash")   # 01b_attention; auto: cudnn on GPU, splash on TPU, else blockwise
 REMAT_POLICIES = ("none", "minimal", "full")   # 02_model, in order of memory, most first: each keeps less and recomputes more
 REMAT_CHOICES = ("auto", *REMAT_POLICIES)      # what a config may say: auto = the cheapest policy that fits (08_train)
@@ -44,6 +46,30 @@ def resumable_keys(cls) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls) if f.metadata.get("resumable"))
 
 # %% ../nbs/00_config.ipynb
+def _installed_platform() -> str:
+    "The platform JAX will pick, read from the environment and the installed plugins without starting a backend."
+    import importlib.util as iu
+    if iu.find_spec("libtpu") is not None: return "tpu"
+    try: plugins = {m.name for m in __import__("pkgutil").iter_modules(__import__("jax_plugins").__path__)}
+    except ImportError: plugins = set()
+    return "gpu" if any(p.startswith(("xla_cuda", "xla_rocm")) for p in plugins) else "cpu"
+
+def platform(*, multi_process: bool = False) -> str:
+    "The platform JAX runs on (`cpu`, `gpu`, `tpu`); with `multi_process`, found without starting JAX's backends."
+    import jax
+    from jax._src import xla_bridge
+    named = (jax.config.jax_platforms or "").split(",")[0].strip()
+    if named: return {"cuda": "gpu", "rocm": "gpu"}.get(named, named)
+    if xla_bridge.backends_are_initialized() or not multi_process: return jax.default_backend()
+    return _installed_platform()
+
+def resolve_dtype(name: str, platform_name: str | None = None, *, multi_process: bool = False) -> str:
+    "`auto` -> `bfloat16` on a GPU or TPU, `float32` on a CPU (`platform_name`, default JAX's); a dtype name stays."
+    if name != "auto": return name
+    p = platform_name or platform(multi_process=multi_process)
+    return "bfloat16" if p in ("gpu", "tpu", "cuda", "rocm") else "float32"
+
+# %% ../nbs/00_config.ipynb
 @dataclass
 class RunConfig:
     "Fields every maxpost command shares: where it writes, which model and weights, which devices, which data."
@@ -57,7 +83,8 @@ class RunConfig:
         help="the starting weights: a maxpost run (or one of its checkpoints/<step>), a Hugging Face or MaxText checkpoint; \"\" = random init")
     tokenizer_path: str = key("",
         help="a directory with tokenizer.json / tokenizer_config.json; \"\" = the one saved with the weights")
-    dtype: str = key("float32", choices=DTYPES, help="compute dtype")
+    dtype: str = key("auto", choices=DTYPE_CHOICES,
+        help="compute dtype; auto = bfloat16 on a GPU or TPU, float32 on a CPU (the run's config.yml records which)")
     param_dtype: str = key("float32", choices=DTYPES, help="dtype the weights are kept in")
     attention: str = key("auto", choices=ATTENTION_IMPLEMENTATIONS, resumable=True,
         help="the attention kernel; auto = cudnn on GPU, splash on TPU, else blockwise")
@@ -78,6 +105,15 @@ class RunConfig:
         help="the dataset's configuration name (reasoning_gym: seed=..,train_size=..,<options>)")
     eval_dataset_name: str = key("", help="held-out data of its own; \"\" = the eval_split of dataset_name")
     eval_split: str = key("test", help="the held-out split (slices such as test[:64] select rows)")
+    compilation_cache_dir: str = key("auto", resumable=True,
+        help="JAX's persistent compilation cache, so that a rerun or a resume compiles nothing; auto = JAX's "
+             "jax_compilation_cache_dir when set, else ~/.cache/maxpost/jax; \"\" = off")
+
+    def __post_init__(self):
+        if self.dtype == "auto": self.dtype = resolve_dtype(self.dtype, multi_process=self._multi_process())
+
+    def _multi_process(self) -> bool:
+        return bool(self.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")) or self.num_processes > 1
 
     @classmethod
     def defaults_from(cls, values: dict) -> dict:
@@ -238,8 +274,14 @@ def _in_interval(v: float, spec: str) -> bool:
     lo, hi = (float(x) for x in spec[1:-1].split(","))
     return (v >= lo if spec[0] == "[" else v > lo) and (v <= hi if spec[-1] == "]" else v < hi)
 
+def close_names(word: str, options: Sequence[str]) -> list[str]:
+    "The at most 3 `options` closest to `word` (difflib ratio >= 0.6), keeping only those within 0.1 of the closest."
+    scored = sorted(((difflib.SequenceMatcher(None, word, o).ratio(), o) for o in options), reverse=True)   # as difflib orders them
+    best = scored[0][0] if scored else 0.0
+    return [o for r, o in scored[:3] if r >= 0.6 and r >= best - 0.1]
+
 def _suggest(word: str, options: Sequence[str]) -> str:
-    close = difflib.get_close_matches(word, list(options), n=3, cutoff=0.6)
+    close = close_names(word, options)
     return f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 def value_problems(cfg) -> list[str]:
@@ -313,11 +355,16 @@ def _type_name(cls, key):
     f = {f.name: f for f in fields(cls)}[key]
     return f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
 
+def _help_command(cls) -> str:
+    "The command whose `--help` lists the keys of config class `cls`."
+    names = [k.name for k in KINDS.values() if k.config is cls]
+    return f"maxpost {names[0] if names else '<kind>'} --help"
+
 def _check_keys(cls, keys, where):
     valid = [f.name for f in fields(cls)]
     for k in keys:
         if k not in valid:
-            raise ConfigError(f"unknown key {k!r} in {where}.{_suggest(k, valid)} Valid keys: {', '.join(valid)}")
+            raise ConfigError(f"unknown key {k!r} in {where}.{_suggest(k, valid)} (`{_help_command(cls)}` lists every key)")
 
 def parse_overrides(overrides: Sequence[str]) -> list[str]:
     "Check that every override has the form key=value."

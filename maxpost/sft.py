@@ -17,7 +17,7 @@ from .data import DATA_FORMATS, TRAIN_ON, make_sft_iterator, check_examples
 from .sft_loss import model_sft_loss, target_weights, summarize_metrics
 from .tasks import embedded_split, check_held_out
 from .policy import Setup, command_config
-from .train import Trainer, flops_per_token, print_summary
+from .train import Trainer, Prefetcher, flops_per_token, print_summary
 from .step import make_update_step, split_micro_batches
 from .evaluate import eval_config_for, load_eval_examples, run_evaluation
 
@@ -110,13 +110,15 @@ class SFTTrainer(Trainer):
     def __init__(self, cfg: SFTConfig, setup: Setup | None = None, *, progress: bool = True):
         super().__init__(cfg, setup)
         _check_batch(cfg, self.mesh); check_held_out(cfg)
-        self.train_it = sft_data(cfg, self.tokenizer, cfg.train_split, shuffle=True)
-        self.eval_it = sft_data(cfg, self.tokenizer, cfg.eval_split, shuffle=False, num_epochs=1, source=eval_source(cfg))
-        self._eval_start = self.eval_it.state()
-        for what, it in (("train split", self.train_it), ("eval split", self.eval_it)):
-            line = check_examples(it.examples, max_target_length=cfg.max_target_length,
-                                  max_dropped_share=cfg.max_dropped_share, what=what)
-            if progress and jax.process_index() == 0: print(line, file=sys.stderr)
+        with self.clock("data"):
+            self.train_it = sft_data(cfg, self.tokenizer, cfg.train_split, shuffle=True)
+            self.eval_it = sft_data(cfg, self.tokenizer, cfg.eval_split, shuffle=False, num_epochs=1, source=eval_source(cfg))
+            self._eval_start = self.eval_it.state()
+            for what, it in (("train split", self.train_it), ("eval split", self.eval_it)):
+                line = check_examples(it.examples, max_target_length=cfg.max_target_length,
+                                      max_dropped_share=cfg.max_dropped_share, what=what)
+                if progress and jax.process_index() == 0: print(line, file=sys.stderr)
+        self.batches = Prefetcher(self.train_it, self._prepare)   # the next batches, on the devices, made while a step runs
         self.build_steps()
         self.flops_per_token = flops_per_token(self.model_cfg, cfg.max_target_length)
 
@@ -126,18 +128,22 @@ class SFTTrainer(Trainer):
                                                    z_loss=cfg.z_loss, chunk_size=cfg.logits_chunk_size), "the SFT step")
         self.eval_fn = make_eval_step(self.graphdef, chunk_size=cfg.logits_chunk_size)
 
+    def _prepare(self, batch: dict) -> tuple:
+        "A batch as the step takes it (sharded over the devices), and its tokens: on the prefetch thread."
+        return sharding.shard_batch(batch, self.mesh), int((batch["segment_ids"] != 0).sum()) * jax.process_count()
+
     def train_step(self) -> dict:
-        batch = next(self.train_it)
-        self.params, self.opt_state, m = self.run_step("step_fn", self.params, self.rest, self.opt_state,
-                                                       sharding.shard_batch(batch, self.mesh))
-        return {**m, "num_tokens": int((batch["segment_ids"] != 0).sum()) * jax.process_count()}
+        with self.clock("input"): batch, num_tokens = next(self.batches)
+        self.params, self.opt_state, m = self.run_step("step_fn", self.params, self.rest, self.opt_state, batch)
+        return {**m, "num_tokens": num_tokens}
 
     def evaluate(self) -> dict:
         self.eval_it.restore(self._eval_start)
         return evaluate_loss(self.eval_fn, self.params, self.rest, self.eval_it, self.mesh, self.cfg.eval_batches)
 
-    def data_state(self) -> dict: return self.train_it.state()
-    def restore_data(self, state: dict) -> None: self.train_it.restore(state)
+    def data_state(self) -> dict: return self.batches.state()          # of the last batch taken, not those made ahead
+    def restore_data(self, state: dict) -> None: self.batches.restore(state)
+    def close(self) -> None: self.batches.close()
 
     memory_knobs = ("remat_policy=full, a larger gradient_accumulation_steps, a smaller logits_chunk_size, a smaller "
                     "max_target_length or global_batch_size, or more devices (fsdp_parallelism)")

@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_train.ipynb 4
 from __future__ import annotations
-import dataclasses, json, math, os, shutil, signal, sys, time
+import contextlib, dataclasses, json, math, os, queue, shutil, signal, sys, threading, time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -18,12 +18,14 @@ from .checkpoint import checkpoint_manager, save_limit_gb, save_state, restore_s
 from .policy import (Setup, TrainableWeights, command_config, model_options, read_model_config, set_model_options,
                             setup_run, trainable_weights)
 from .rundir import RunLock, MetricsLogger, as_scalar
+from .sharding import enable_compilation_cache
 
 # %% auto 0
 __all__ = ['PEAK_BF16_FLOPS', 'make_schedule', 'make_optimizer', 'on_mesh', 'init_opt_state', 'check_finite', 'config_changes',
            'check_resume', 'precheck_run_dir', 'RunCheckpoints', 'StopSignal', 'RunStopped', 'flops_per_token',
            'device_peak_flops', 'StepCompiler', 'memory_needed', 'device_memory', 'MemoryShortfall', 'check_memory',
-           'Trainer', 'print_summary', 'train_command']
+           'Clock', 'CompileWatch', 'compile_watch', 'use_compilation_cache', 'process_start_time', 'Trainer',
+           'timing_lines', 'Prefetcher', 'print_summary', 'train_command']
 
 # %% ../nbs/08_train.ipynb
 def make_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -217,7 +219,9 @@ class StepCompiler:
     @classmethod
     def _signature(cls, args) -> tuple:
         leaves, tree = jax.tree.flatten(args)
-        return tree, tuple((np.shape(x), np.dtype(getattr(x, "dtype", np.asarray(x).dtype)), cls._layout(x)) for x in leaves)
+        # `x.dtype`, never `np.asarray(x)` (a getattr default is evaluated every time: a copy of every array to the host)
+        dtype = lambda x: np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+        return tree, tuple((np.shape(x), dtype(x), cls._layout(x)) for x in leaves)
 
     def compile(self, *args):
         "The compiled program for `args` (arrays or `jax.ShapeDtypeStruct`s), compiling it the first time."
@@ -272,20 +276,107 @@ def check_memory(label: str, compiled, knobs: str) -> str:
     return line
 
 # %% ../nbs/08_train.ipynb
+class Clock:
+    "Wall seconds per named part of the loop: `with clock('input'): ...` adds to 'input' (a part inside another is taken out of the outer one); `take()` returns the parts so far and starts again."
+    def __init__(self): self.parts, self.spans, self._inner = {}, [], []
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t, w = time.perf_counter(), time.time()
+        self._inner.append(0.0)
+        try: yield self
+        finally:
+            took, inner = time.perf_counter() - t, self._inner.pop()
+            self.add(name, took - inner)
+            self.spans.append((name, w, w + took))            # wall-clock interval, for the first step's accounting
+            if self._inner: self._inner[-1] += took
+
+    def add(self, name: str, seconds: float) -> None:
+        "Add `seconds` to part `name` (time measured elsewhere)."
+        self.parts[name] = self.parts.get(name, 0.0) + seconds
+
+    def take(self) -> dict:
+        "The parts since the last `take` (seconds by name); the clock starts again from nothing."
+        out, self.parts, self.spans = self.parts, {}, []
+        return out
+
+# %% ../nbs/08_train.ipynb
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+
+class CompileWatch:
+    "JAX's compilations as its monitoring events report them: the wall intervals spent tracing, lowering and compiling, and when each program was compiled (a persistent-cache hit is no compilation)."
+    def __init__(self):
+        self.spans, self.compiled, self.hits = [], [], []
+        jax.monitoring.register_event_time_span_listener(self._span)
+        jax.monitoring.register_event_listener(self._event)
+
+    def _span(self, event, start, end, **kw):
+        if event in _COMPILE_EVENTS: self.spans.append((start, end))
+        if event == _COMPILE_EVENTS[-1]: self.compiled.append(end)
+    def _event(self, event, **kw):
+        if event == "/jax/compilation_cache/cache_hits": self.hits.append(time.time())
+
+    def seconds(self, start: float, end: float) -> float:
+        "Wall seconds between `start` and `end` (`time.time()`) spent compiling; nested spans counted once."
+        total, reach = 0.0, start
+        for a, b in sorted(self.spans):
+            a, b = max(a, reach), min(b, end)
+            if b > a: total, reach = total + b - a, b
+        return total
+
+    def programs(self, start: float, end: float) -> int:
+        "Programs compiled between `start` and `end` (the persistent cache's answers not counted)."
+        inside = lambda ts: sum(start <= t <= end + 1e-3 for t in ts)
+        return inside(self.compiled) - inside(self.hits)
+
+_WATCH: list = []
+def compile_watch() -> CompileWatch:
+    "The process's one `CompileWatch` (made at the first call: compilations before it are not seen)."
+    if not _WATCH: _WATCH.append(CompileWatch())
+    return _WATCH[0]
+
+# %% ../nbs/08_train.ipynb
+def use_compilation_cache(cfg: RunConfig) -> Path | None:
+    "JAX's persistent compilation cache where `cfg.compilation_cache_dir` says (`auto`: JAX's own setting, else the user cache directory; \"\": off); the directory, or None."
+    where = getattr(cfg, "compilation_cache_dir", "")
+    if not where: return None
+    return enable_compilation_cache(None if where == "auto" else where)
+
+def process_start_time() -> float:
+    "When this process started (`time.time()` scale, to 10 ms on Linux): imports and start-up included."
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])   # start, in ticks since boot
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError): return _IMPORTED   # not Linux: when this module was imported
+_IMPORTED = time.time()
+
+# %% ../nbs/08_train.ipynb
 class Trainer:
     "The train state and the loop SFT and RL share; a subclass defines `train_step`, `evaluate` and its data state."
     kind, eval_at_start, summary_keys = "train", False, ("loss",)
     progress_keys = ("loss",)   # the metrics the progress bar shows; a kind adds its own (eval_loss, reward, pass@1)
+    non_logging_guard = None    # a context manager (factory) each step that logs nothing runs in: a check that it fetches nothing
 
     def __init__(self, cfg: TrainConfig, setup: Setup | None = None):
         "`setup` (chapter `07b_policy`): the mesh, tokenizer and models the command built; default `setup_run(cfg)`, the policy alone."
+        if not hasattr(self, "clock"):   # a subclass that builds its setup first starts the clock (and `started`) itself
+            self.clock, self.started = Clock(), time.time()  # `started`: the end of start-up (process start to here)
+        compile_watch(); use_compilation_cache(cfg)           # before the first compilation
         precheck_run_dir(cfg)
-        self.cfg, s = cfg, setup if setup is not None else setup_run(cfg)
+        if setup is None:
+            if not cfg.dataset_name:
+                from maxpost.tasks import prepare_embedded_task
+                with self.clock("data"): prepare_embedded_task(cfg)     # written once; setup_run reads it
+            with self.clock("weights"): setup = setup_run(cfg)
+        self.cfg, s = cfg, setup
         self.mesh, self.tokenizer, self.tok_dir, self.model_cfg = s.mesh, s.tokenizer, s.tokenizer_dir, s.model.cfg
-        self.weights: TrainableWeights = trainable_weights(cfg, self.mesh)   # every weight, or LoRA (07b_policy)
-        self.graphdef, self.params, self.rest = self.weights.split(s.model)
-        self.tx, self.schedule = make_optimizer(cfg), make_schedule(cfg)
-        self.opt_state = init_opt_state(self.tx, self.params, self.mesh)
+        with self.clock("weights"):
+            self.weights: TrainableWeights = trainable_weights(cfg, self.mesh)   # every weight, or LoRA (07b_policy)
+            self.graphdef, self.params, self.rest = self.weights.split(s.model)
+            self.tx, self.schedule = make_optimizer(cfg), make_schedule(cfg)
+            self.opt_state = init_opt_state(self.tx, self.params, self.mesh)
         self.step, self.latest_checkpoint, self.flops_per_token = 0, None, None
 
     @property
@@ -313,7 +404,7 @@ class Trainer:
         "`jitted` as a `StepCompiler` whose new programs are checked against the device's memory (`check_memory`)."
         def check(program):
             if not self.cfg.check_memory: return
-            line = check_memory(label, program, self.memory_knobs)
+            with self.clock("memory_check"): line = check_memory(label, program, self.memory_knobs)
             if jax.process_index() == 0 and getattr(self, "progress", True): print(f"memory: {line}", file=sys.stderr)
         return StepCompiler(jitted, on_compile=check)
 
@@ -344,7 +435,7 @@ def _resume(tr: Trainer, ckpts: RunCheckpoints) -> None:
     tr.after_restore()
 
 def _throughput(tr: Trainer, tokens: float, seconds: float, steps: int) -> dict:
-    out = {"learning_rate": float(tr.schedule(tr.step - 1)), "timing/step": seconds / max(steps, 1)}
+    out = {"learning_rate": float(tr.schedule(tr.step - 1))}
     if tokens: out["tokens_per_s"] = tokens / seconds
     peak = device_peak_flops()
     if tokens and tr.flops_per_token and peak: out["mfu"] = tokens * tr.flops_per_token / seconds / peak
@@ -352,40 +443,181 @@ def _throughput(tr: Trainer, tokens: float, seconds: float, steps: int) -> dict:
 
 
 # %% ../nbs/08_train.ipynb
+class _Timing:
+    "Where `_fit`'s wall time goes: the first step from the process's start, then each logged window of steps."
+    PARTS = ("input", "device", "host", "log", "checkpoint", "eval")
+
+    def __init__(self, tr: Trainer):
+        self.tr, self.first, self.sums, self.timed, self.includes_first = tr, None, {}, 0, False
+        self.init_parts, self.init_spans = dict(tr.clock.parts), list(tr.clock.spans)   # data, weights, first eval
+        self._window()
+
+    def _window(self):
+        self.t0, self.tokens, self.steps, self.device = time.perf_counter(), 0.0, 0, 0.0
+        self.tr.clock.take()
+
+    def window_seconds(self) -> float: return time.perf_counter() - self.t0
+
+    def step(self, logging: bool, pending: list) -> dict:
+        "One train step; a logging step (and the first) runs alone and is waited for: its device time."
+        tr, clock = self.tr, self.tr.clock
+        timed = logging or self.first is None
+        with tr.non_logging_guard() if tr.non_logging_guard and not logging else contextlib.nullcontext():
+            if timed: jax.block_until_ready(tr.params); t0, c0 = time.perf_counter(), sum(clock.parts.values())
+            m = tr.train_step()
+            if timed: jax.block_until_ready(m); self.device = time.perf_counter() - t0 - (sum(clock.parts.values()) - c0)
+            pending.append((tr.step + 1, m["loss"], m.pop("params_finite", True)))
+            tr.step += 1; self.tokens += m.pop("num_tokens", 0); self.steps += 1
+        if self.first is None: self.first, self.includes_first = _first_step(self, time.time()), True
+        return m
+
+    def take(self) -> dict:
+        "The window's `timing/*` per step (they add up to `timing/step`); a new window starts."
+        parts, n = self.tr.clock.take(), max(self.steps, 1)
+        step = self.window_seconds() / n
+        per = {k: v / n for k, v in parts.items()}
+        device = min(self.device, max(step - sum(per.values()), 0.0))
+        out = {"timing/step": step, **{f"timing/{k}": per.get(k, 0.0) for k in self.PARTS}, "timing/device": device,
+               **{f"timing/{k}": v for k, v in per.items()}}
+        out["timing/host"] = step - sum(per.values()) - device
+        if not self.includes_first:
+            self.timed += self.steps
+            for k, v in out.items(): self.sums[k] = self.sums.get(k, 0.0) + v * self.steps
+        self._window(); self.includes_first = False
+        return out
+
+    def after_first(self) -> None:
+        "After the first step: the steady windows start (a first step that was not logged is left out of them)."
+        if self.includes_first and self.steps: self._window()
+        self.includes_first = False
+
+    def record(self) -> dict | None:
+        "What `timing.json` holds: the first step's parts, the mean `timing/*` of the steps after it, how many."
+        if self.first is None: return None
+        steps = {k: v / self.timed for k, v in self.sums.items()} if self.timed else {}
+        return {"first_step": self.first, "steps": steps, "steps_timed": self.timed}
+
+# %% ../nbs/08_train.ipynb
+def _first_step(self: _Timing, end: float) -> dict:
+    "Process start to the end of the first step, in parts that add up to `total`: compilation taken out of the part it happened in."
+    tr, w = self.tr, compile_watch()
+    parts = {**self.init_parts}
+    for k, v in tr.clock.parts.items(): parts[k] = parts.get(k, 0.0) + v
+    spans = self.init_spans + tr.clock.spans
+    own = lambda name: parts.get(name, 0.0) - sum(w.seconds(a, b) for n, a, b in spans if n == name)
+    start = process_start_time()
+    out = {"startup": tr.started - start, "data": own("data"), "weights": own("weights"),
+           "compile": w.seconds(tr.started, end), "compiles": w.programs(tr.started, end),
+           "memory_check": own("memory_check"), "first_eval": own("eval"), "total": end - start}
+    out["other"] = out["total"] - sum(v for k, v in out.items() if k not in ("compiles", "total"))
+    return out
+
+def timing_lines(rec: dict) -> list[str]:
+    "`timing.json`'s record as lines: the time to the first step, then the mean step, one line per part."
+    f, s = rec["first_step"], rec["steps"]
+    out = [f"time to first step {f['total']:.2f} s:"]
+    out += [f"  {k:<13}{f[k]:8.3f} s" + (f" ({f['compiles']} program{'s' * (f['compiles'] != 1)})" if k == "compile" else "")
+            for k in f if k not in ("total", "compiles")]
+    if s:
+        out.append(f"steady step {1e3 * s['timing/step']:.2f} ms (mean of {rec['steps_timed']} steps):")
+        out += [f"  {k.removeprefix('timing/'):<13}{1e3 * v:8.3f} ms" for k, v in s.items() if k != "timing/step"]
+    return out
+
+# %% ../nbs/08_train.ipynb
 def _fit(tr: Trainer, progress: bool) -> dict:
     "The loop of `Trainer.fit` (inside the run lock)."
-    cfg, where = tr.cfg, run_dir(tr.cfg) / "checkpoints"
+    cfg, where, clock = tr.cfg, run_dir(tr.cfg) / "checkpoints", tr.clock
     ckpts = RunCheckpoints(cfg, tr.model_cfg, tr.tok_dir, save_concurrent_gb=save_limit_gb(tr.params, tr.opt_state))
     _resume(tr, ckpts)
     log = MetricsLogger(run_dir(cfg), cfg.steps, tr.step, desc=f"{tr.kind} {cfg.run_name}", progress=progress,
                         show=tr.progress_keys)
-    meta = lambda: {"data": tr.data_state(), "seed": cfg.seed, **tr.weights.checkpoint_meta()}
-    save = lambda: (ckpts.save(tr.step, tr.params, tr.opt_state, meta()),
-                    setattr(tr, "latest_checkpoint", tr.step))
-    last, final, window = {}, {}, [time.perf_counter(), 0.0, 0]     # [start, tokens, steps] since the last log
-    tr.progress = progress
+    pending = []        # (step, loss, params_finite) still on the device: fetched and checked before anything is written
+    def check():
+        got, _ = jax.device_get(pending), pending.clear()
+        for step, loss, finite in got: check_finite(step, float(loss), bool(finite), tr.latest_checkpoint, where)
+    def save():
+        check()
+        with clock("checkpoint"):
+            ckpts.save(tr.step, tr.params, tr.opt_state, {"data": tr.data_state(), "seed": cfg.seed, **tr.weights.checkpoint_meta()})
+        tr.latest_checkpoint = tr.step
+    last, final, tr.progress, tr.timing = {}, {}, progress, None
     try:
-        if tr.eval_at_start and tr.step == 0: log.log(0, tr.evaluate(), kind="eval")
+        if tr.eval_at_start and tr.step == 0:
+            with clock("eval"): log.log(0, tr.evaluate(), kind="eval")
+        t = _Timing(tr)
         with StopSignal() as stop, jax.set_mesh(tr.mesh):
             while tr.step < cfg.steps and not stop.requested:
-                m = {k: as_scalar(v) for k, v in jax.device_get(tr.train_step()).items()}
-                check_finite(tr.step + 1, float(m["loss"]), m.pop("params_finite", True), tr.latest_checkpoint, where)
-                tr.step += 1; log.advance()
-                window[1] += m.pop("num_tokens", 0); window[2] += 1
-                if tr.step % cfg.log_period == 0 or tr.step == cfg.steps:
-                    last = log.log(tr.step, {**m, **_throughput(tr, window[1], time.perf_counter() - window[0], window[2])})
-                    window = [time.perf_counter(), 0.0, 0]
+                logging = (tr.step + 1) % cfg.log_period == 0 or tr.step + 1 == cfg.steps
+                m = t.step(logging, pending)
+                if logging:
+                    check()
+                    rec = {k: as_scalar(v) for k, v in jax.device_get(m).items()}
+                    rec |= _throughput(tr, t.tokens, t.window_seconds(), t.steps) | t.take()
+                    with clock("log"): last = log.log(tr.step, rec)
+                t.after_first()
                 if cfg.eval_interval and tr.step % cfg.eval_interval == 0 and tr.step < cfg.steps:
-                    log.log(tr.step, tr.evaluate(), kind="eval")
+                    check()
+                    with clock("eval"): log.log(tr.step, tr.evaluate(), kind="eval")
                 if tr.step % cfg.checkpoint_period == 0 or tr.step == cfg.steps or stop.requested: save()
             if tr.step < cfg.steps: raise RunStopped(stop.signum, tr.step, cfg.steps, where)
-            final = tr.evaluate()
+            check()
+            with clock("eval"): final = tr.evaluate()
             if final: log.log(tr.step, final, kind="eval")
     finally:
         log.close(); ckpts.close(); tr.close()
+    tr.timing = t.record()
+    if tr.timing and jax.process_index() == 0:
+        (run_dir(cfg) / "timing.json").write_text(json.dumps(tr.timing, indent=1) + "\n")
+        if progress: print("\n".join(timing_lines(tr.timing)), file=sys.stderr)
     if (cfg.save_hf or cfg.save_adapter) and jax.process_index() == 0:
         tr.weights.export(tr.model, cfg, tr.tokenizer, run_dir(cfg))   # with LoRA: the merged model, the adapter
     return {"step": tr.step, **{k: last[k] for k in tr.summary_keys if k in last}, **final}
+
+# %% ../nbs/08_train.ipynb
+class Prefetcher:
+    "The batches of `source` (an iterator with `state()` / `restore(state)`), each passed through `prepare` (e.g. sharding it onto the devices) on a background thread, up to `depth` ahead of the loop; `state()` is the source's state after the last batch *taken*, so a checkpoint resumes exactly."
+    def __init__(self, source, prepare=lambda b: b, *, depth: int = 2):
+        self.source, self.prepare, self.depth = source, prepare, depth
+        self._state, self._thread = source.state(), None
+
+    def _fill(self, q, stop):
+        try:
+            while not stop.is_set():
+                try: batch = next(self.source)
+                except StopIteration: item = StopIteration()
+                else: item = (self.prepare(batch), self.source.state())
+                while not stop.is_set():
+                    try: q.put(item, timeout=0.1); break
+                    except queue.Full: pass
+                if isinstance(item, StopIteration): return
+        except BaseException as e: q.put(e)                 # the loop raises it at the next batch
+
+    def __iter__(self): return self
+    def __next__(self):
+        if self._thread is None:
+            self._q, self._stop = queue.Queue(self.depth), threading.Event()
+            self._thread = threading.Thread(target=self._fill, args=(self._q, self._stop), daemon=True, name="prefetch")
+            self._thread.start()
+        item = self._q.get()
+        if isinstance(item, BaseException): self.close(); raise item
+        batch, self._state = item
+        return batch
+
+    def state(self) -> dict: return dict(self._state)
+
+    def restore(self, state: dict) -> "Prefetcher":
+        "Drop what was prepared ahead and continue the source from `state`."
+        self.close(); self.source.restore(state); self._state = self.source.state()
+        return self
+
+    def close(self) -> None:
+        "Stop the thread (what it prepared ahead is dropped); the source stays where the thread left it."
+        if self._thread is None: return
+        self._stop.set()
+        while self._thread.is_alive():
+            try: self._q.get(timeout=0.05)
+            except queue.Empty: pass
+        self._thread = None
 
 # %% ../nbs/08_train.ipynb
 def print_summary(out: dict, cfg: RunConfig, *lines: str | None) -> None:

@@ -38,7 +38,8 @@ def test_unknown_key_suggests_close_match(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config("sft", ["run_name=a", "base_output_directory=/x", "learnig_rate=1e-3"], base=None)
     msg = str(e.value)
-    assert "'learnig_rate'" in msg and "Did you mean 'learning_rate'" in msg and "global_batch_size" in msg
+    assert msg == ("unknown key 'learnig_rate' in the overrides. Did you mean 'learning_rate'? (`maxpost sft --help` "
+                   "lists every key)"), msg   # the close match only, not every key
     base = write(tmp_path, "run_name: a\nbase_output_directory: /x\nnum_generation: 4\n")
     with pytest.raises(ConfigError, match="num_generations"):
         load_config("rl", [], base=base)
@@ -200,3 +201,55 @@ def test_a_batch_smaller_than_the_base_mini_batch_says_how_to_update_on_all_of_i
         load_config("rl", ["global_batch_size=12", "num_generations=8", "mini_batch_size=0"])
     assert "global_batch_size=12 must be a multiple of num_generations=8" in str(e.value)
     assert "mini_batch_size" not in str(e.value), str(e.value)
+
+
+def test_unknown_key_suggests_only_close_names():
+    """Issue 43 item 8: `stpes=10` suggests `steps` (and no far name such as `seed`); the message ends with where every
+    key is listed instead of listing them."""
+    with pytest.raises(ConfigError) as e:
+        load_config("sft", ["run_name=a", "base_output_directory=/x", "stpes=10"], base=None)
+    assert str(e.value) == "unknown key 'stpes' in the overrides. Did you mean 'steps'? (`maxpost sft --help` lists every key)"
+    with pytest.raises(ConfigError) as e:                                       # nothing close: no suggestion
+        load_config("rl", ["run_name=a", "base_output_directory=/x", "zzqx=1"], base=None)
+    assert str(e.value) == "unknown key 'zzqx' in the overrides. (`maxpost rl --help` lists every key)"
+
+
+def test_close_names_against_a_naive_ranking():
+    """Top 3 with ratio >= 0.6 and within 0.1 of the best, checked against difflib's ratios computed here."""
+    import difflib
+    from maxpost.config import close_names
+    keys = [f.name for f in __import__("dataclasses").fields(RLConfig)]
+    for word in ["stpes", "learnig_rate", "num_generation", "eval_interva", "temprature", "lora", "x", "max_tokens"]:
+        r = {k: difflib.SequenceMatcher(None, word, k).ratio() for k in keys}
+        best = max(r.values())
+        want = sorted((k for k in keys if r[k] >= 0.6 and r[k] >= best - 0.1), key=lambda k: (-r[k], [-ord(c) for c in k]))[:3]
+        assert close_names(word, keys) == want, (word, close_names(word, keys), want)
+
+
+def test_dtype_auto_resolved_when_loaded(monkeypatch):
+    """`dtype: auto` (the default) is float32 on this CPU and bfloat16 where JAX runs on a GPU or TPU, written into the
+    config (and so into the run's config.yml); param_dtype stays float32."""
+    import maxpost.config as mc
+    cfg = load_config("sft", ["base_output_directory=/x"])
+    assert (cfg.dtype, cfg.param_dtype) == ("float32", "float32") and "dtype: float32" in to_yaml(cfg).splitlines()
+    for plat, want in [("gpu", "bfloat16"), ("tpu", "bfloat16"), ("cpu", "float32")]:
+        monkeypatch.setattr(mc, "platform", lambda multi_process=False, p=plat: p)
+        c = load_config("sft", ["base_output_directory=/x"])
+        assert (c.dtype, c.param_dtype) == (want, "float32") and f"dtype: {want}" in to_yaml(c).splitlines()
+        assert load_config("sft", ["base_output_directory=/x", "dtype=float32"]).dtype == "float32"   # named: kept
+    with pytest.raises(ConfigError, match="dtype='half' is not one of auto, float32, bfloat16"):
+        load_config("sft", ["base_output_directory=/x", "dtype=half"])
+
+
+def test_dtype_auto_of_a_multi_process_run_starts_no_backend():
+    """A multi-process run must call jax.distributed.initialize before JAX starts its backends: resolving `auto` for
+    such a config reads the installed platform instead of asking JAX (which would start them)."""
+    import os
+    code = ("from jax._src import xla_bridge\nfrom maxpost.config import load_config\n"
+            "c = load_config('sft', ['base_output_directory=/x', 'coordinator_address=localhost:1', 'num_processes=2'])\n"
+            "print(c.dtype, xla_bridge.backends_are_initialized())")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["float32", "False"], r.stdout
