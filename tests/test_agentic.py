@@ -116,3 +116,34 @@ def test_a_crashing_environment_never_stops_the_run(tmp_path, factory):
 def test_an_environment_that_is_not_a_factory_is_refused(tmp_path):
     cfg = load_config("rl", [f"base_output_directory={tmp_path}", "run_name=n", "environment=test_agentic:SMALL", *SMALL])
     with pytest.raises(ConfigError, match="not a factory"): RLTrainer(cfg)
+
+
+def test_tutorial_quick_mode_shows_an_episode_before_and_after_rl(tmp_path):
+    "nbs/tutorials/agentic_calculator.ipynb in its quick mode: SFT on the calculator variant, two RL steps in the environment, a greedy held-out episode of each checkpoint."
+    import papermill as pm
+    out = tmp_path / "agentic.ipynb"
+    pm.execute_notebook(str(ROOT / "nbs" / "tutorials" / "agentic_calculator.ipynb"), str(out), cwd=str(tmp_path),
+                        kernel_name="python3", parameters=dict(base_output_directory=str(tmp_path / "runs")),
+                        progress_bar=False)
+    train = read_metrics(tmp_path / "runs" / "calc-grpo", "train")
+    assert [m["step"] for m in train] == [1, 2] and all(m["episodes/env_errors"] == 0 for m in train)
+    evals = read_metrics(tmp_path / "runs" / "calc-grpo", "eval")
+    assert len(evals) == 2 and all("tool_use" in e for e in evals)
+    text = "".join(o.get("text", "") for c in json.loads(out.read_text())["cells"] for o in c.get("outputs", []))
+    assert "--- after SFT" in text and "--- after RL" in text and "Q: " in text
+
+
+@pytest.mark.parametrize("extra", [["loss_algo=gspo"], ["lora_rank=4", "lora_alpha=8"], ["max_staleness=1"]],
+                         ids=["gspo", "lora", "max_staleness"])
+def test_episodes_under_gspo_lora_and_stale_rollouts(tmp_path, extra):
+    "The episode rollout feeds GSPO, LoRA and the asynchronous loop unchanged: two-turn episodes every step, rewarded by the environment, a finite loss."
+    from maxpost.async_rl import AsyncRLTrainer
+    cfg = load_config("rl", [f"base_output_directory={tmp_path}", "run_name=u", "steps=2", "eval_num_prompts=2",
+                             "environment=test_agentic:_Echo", *SMALL, *extra])
+    tr = AsyncRLTrainer(cfg, engine=_Replay())
+    assert tr.fit(progress=False)["step"] == 2
+    train = read_metrics(tmp_path / "u", "train")
+    assert [m["step"] for m in train] == [1, 2]
+    for m in train:
+        assert m["episodes/turns"] == 2 and m["rewards/environment/mean"] == 1.0 and np.isfinite(m["loss"])
+        assert m["episodes/sampled_tokens"] == m["completions/mean_length"] > 0   # the loss mask: the model's tokens only
