@@ -129,7 +129,8 @@ def test_tutorial_quick_mode_shows_an_episode_before_and_after_rl(tmp_path):
     assert [m["step"] for m in train] == [1, 2] and all(m["episodes/env_errors"] == 0 for m in train)
     evals = read_metrics(tmp_path / "runs" / "calc-grpo", "eval")
     assert len(evals) == 2 and all("tool_use" in e for e in evals)
-    text = "".join(o.get("text", "") for c in json.loads(out.read_text())["cells"] for o in c.get("outputs", []))
+    texts = [o.get("text", "") for c in json.loads(out.read_text())["cells"] for o in c.get("outputs", [])]
+    text = "".join(t if isinstance(t, str) else "".join(t) for t in texts)
     assert "--- after SFT" in text and "--- after RL" in text and "Q: " in text
 
 
