@@ -4,7 +4,7 @@
 
 # %% ../nbs/13b_environments.ipynb 4
 from __future__ import annotations
-import ast, dataclasses, json, logging, math, operator, os, pickle, signal, sys, threading, time, weakref
+import ast, dataclasses, importlib, json, logging, math, operator, os, pickle, signal, sys, threading, time, weakref
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Protocol, runtime_checkable
@@ -12,16 +12,18 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from . import tasks
+from .config import ConfigError, key
 from .prompts import stop_token_ids
 from .rewards import _START_S, _NotIsolated, _Worker, _describe
 
 _log = logging.getLogger(__name__)
 
 # %% auto 0
-__all__ = ['MAX_CALCULATOR_VALUE', 'TOOL_CALL_OPEN', 'TOOL_CALL_CLOSE', 'MAX_TOOL_OUTPUT_CHARS', 'TOOL_ISOLATION', 'Environment',
-           'tool_schema', 'calculator', 'ToolCall', 'parse_tool_calls', 'tool_call_format', 'format_tool_call',
-           'Toolbox', 'ToolEnvironment', 'continuation_ids', 'Episodes', 'as_engine', 'rollout_episodes',
-           'ScriptedEngine']
+__all__ = ['MAX_CALCULATOR_VALUE', 'TOOL_CALL_OPEN', 'TOOL_CALL_CLOSE', 'MAX_TOOL_OUTPUT_CHARS', 'TOOL_ISOLATION', 'ENVIRONMENTS',
+           'Environment', 'tool_schema', 'calculator', 'ToolCall', 'parse_tool_calls', 'tool_call_format',
+           'format_tool_call', 'Toolbox', 'ToolEnvironment', 'continuation_ids', 'Episodes', 'as_engine',
+           'rollout_episodes', 'ScriptedEngine', 'calculator_environment', 'environment_factory', 'make_environments',
+           'EpisodeConfig', 'episode_limits', 'episode_problems']
 
 # %% ../nbs/13b_environments.ipynb
 @runtime_checkable
@@ -426,3 +428,72 @@ class ScriptedEngine:
         for b, t in enumerate(turns):
             t = t[:max_completion_length]; c_ids[b, :len(t)], c_mask[b, :len(t)] = t, 1
         return Rollout(ids, mask, c_ids, c_mask, np.zeros(c_ids.shape, np.float32))
+
+# %% ../nbs/13b_environments.ipynb
+_TOOLBOXES: dict = {}      # thread id -> the calculator environments' shared Toolbox
+
+def calculator_environment() -> ToolEnvironment:
+    "The embedded task's tool environment: the `calculator` tool and the task's system prompt (one `Toolbox`, one worker process, per thread)."
+    box = _TOOLBOXES.get(threading.get_ident())
+    if box is None: box = _TOOLBOXES[threading.get_ident()] = Toolbox([calculator])
+    return ToolEnvironment(box)
+
+ENVIRONMENTS: dict[str, Callable[[], Environment]] = {"calculator": calculator_environment}
+
+# %% ../nbs/13b_environments.ipynb
+def environment_factory(name: str) -> Callable[[], Environment]:
+    "The factory `name` means: a built-in name of `ENVIRONMENTS`, or `module:factory` (imported); ConfigError for anything else."
+    if name in ENVIRONMENTS: return ENVIRONMENTS[name]
+    module, _, attr = name.partition(":")
+    if not module or not attr:
+        raise ConfigError(f"environment={name!r} is neither a built-in environment ({', '.join(ENVIRONMENTS)}) nor "
+                          "module:factory (a function of yours that returns a new environment per call)")
+    try: factory = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"environment={name!r} cannot be loaded ({_describe(e)}); is {module} importable from here "
+                          "(PYTHONPATH) and does it define {attr}?") from None
+    if not callable(factory): raise ConfigError(f"environment={name!r} is a {type(factory).__name__}, not a factory to call")
+    return factory
+
+# %% ../nbs/13b_environments.ipynb
+class _Unavailable:
+    "The stand-in for an environment its factory failed to make: its episode fails at `reset` (reward 0, no loss)."
+    def __init__(self, why: str): self.why = why
+    def reset(self, example): raise RuntimeError(self.why)
+    def step(self, text): raise RuntimeError(self.why)
+
+def make_environments(factory: Callable[[], Environment], n: int) -> list:
+    "`n` fresh environments from `factory`; one it fails to make is a stand-in whose episode fails, so the run goes on."
+    out = []
+    for _ in range(n):
+        try: out.append(factory())
+        except Exception as e: out.append(_Unavailable(f"the environment factory raised {_describe(e)}"))
+    return out
+
+# %% ../nbs/13b_environments.ipynb
+@dataclasses.dataclass
+class EpisodeConfig:
+    "The keys of commands that play multi-turn episodes (`maxpost rl`, `maxpost eval`): the environment and its limits."
+    environment: str = key("", help="play multi-turn episodes in this environment: a built-in (calculator) or "
+                                    "module:factory (called once per episode); \"\" = one prompt, one completion")
+    max_turns: int = key(6, positive=True, help="with environment=: model turns per episode at most")
+    max_turn_tokens: int = key(0, non_negative=True,
+        help="with environment=: tokens per model turn at most; 0 = max_completion_length")
+    max_episode_tokens: int = key(0, non_negative=True,
+        help="with environment=: tokens after the first prompt (model and environment turns) at most, the width of "
+             "the trained batch; 0 = max_turns x max_turn_tokens")
+
+def episode_limits(cfg) -> dict:
+    "`rollout_episodes`' limits from a config with `EpisodeConfig`'s keys (its zeros resolved)."
+    turn = cfg.max_turn_tokens or cfg.max_completion_length
+    return dict(max_turns=cfg.max_turns, max_turn_tokens=turn, max_episode_tokens=cfg.max_episode_tokens or cfg.max_turns * turn)
+
+def episode_problems(cfg) -> list[str]:
+    "What is wrong with a config's episode keys (an empty list when nothing is)."
+    name, out = cfg.environment, []
+    if name and name not in ENVIRONMENTS and not all(name.partition(":")[::2]):
+        out.append(f"environment={name!r} is neither a built-in environment ({', '.join(ENVIRONMENTS)}) nor module:factory")
+    if name and cfg.max_turn_tokens and cfg.max_episode_tokens and cfg.max_turn_tokens > cfg.max_episode_tokens:
+        out.append(f"max_turn_tokens={cfg.max_turn_tokens} is more than max_episode_tokens={cfg.max_episode_tokens}, "
+                   "which no turn can exceed; raise max_episode_tokens or lower max_turn_tokens")
+    return out

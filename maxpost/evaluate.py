@@ -18,17 +18,21 @@ from .policy import command_config, setup_run
 from .rundir import MetricsLogger, RunLock, read_metrics
 from .rewards import extract_answer, answers_match, format_reward, format_reward_for, gsm8k_gold, check_gold_answers
 from .prompts import prompt_token_ids, stop_token_ids
+from .environments import (EpisodeConfig, episode_limits, episode_problems, environment_factory,
+                                  make_environments, rollout_episodes)
 
 # %% auto 0
 __all__ = ['KIND', 'EvalConfig', 'eval_config_for', 'load_examples', 'load_eval_examples', 'pass_at_k', 'majority_vote',
-           'score_samples', 'evaluate', 'format_table', 'eval_options', 'show_generations', 'eval_dir',
-           'run_evaluation', 'main', 'held_out_table']
+           'score_samples', 'evaluate', 'format_table', 'eval_options', 'evaluate_episodes', 'held_out_metrics',
+           'show_generations', 'eval_dir', 'run_evaluation', 'main', 'held_out_table']
 
 # %% ../nbs/14_evaluate.ipynb
 @dataclass
-class EvalConfig(GenerationConfig):
-    "Evaluating a checkpoint: pass@1, pass@k, maj@k and format rate on held-out prompts."
+class EvalConfig(EpisodeConfig, GenerationConfig):
+    "Evaluating a checkpoint: pass@1, pass@k, maj@k and format rate on held-out prompts (with `environment=`, of episodes in it)."
     run_name: str = key("", help="the evaluation's directory name; \"\" = eval-<checkpoint>, next to the runs")
+
+    def problems(self) -> list[str]: return super().problems() + episode_problems(self)
 
 def eval_config_for(cfg: RunConfig, **changes) -> EvalConfig:
     "The `maxpost eval` config (on `configs/eval.yml`) with every key it shares with `cfg` but `run_name` taken from `cfg`, then `changes`."
@@ -175,6 +179,56 @@ def eval_options(cfg: GenerationConfig) -> dict:
                 temperature=cfg.temperature if cfg.temperature > 0 else 1.0, top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed)
 
 # %% ../nbs/14_evaluate.ipynb
+def _play(model, tokenizer, examples, factory, batch_size, seed, **kw):
+    "`rollout_episodes` over `examples` in chunks of `batch_size`: the chunks' Episodes."
+    return [rollout_episodes(model, tokenizer, make_environments(factory, len(examples[s:s + batch_size])),
+                             examples[s:s + batch_size], seed=_chunk_seed(seed, i), **kw)
+            for i, s in enumerate(range(0, len(examples), batch_size))]
+
+def _episode_stats(eps: list) -> dict:
+    "Tool use, calls, errors, turns, truncation and failures of greedy episodes."
+    cat = lambda name: np.concatenate([getattr(e, name) for e in eps])
+    calls = cat("tool_calls")
+    return {"tool_use": float((calls > 0).mean()), "tool_calls": float(calls.mean()), "tool_errors": float(cat("tool_errors").mean()),
+            "turns": float(cat("turns").mean()), "truncation_rate": float(cat("truncated").mean()),
+            "env_errors": int(sum(x is not None for e in eps for x in e.env_errors))}
+
+# %% ../nbs/14_evaluate.ipynb
+def evaluate_episodes(model, tokenizer, examples: Sequence[dict], factory, *, k: int = 8, template: str = "gsm8k",
+                      max_prompt_length: int = 128, max_turns: int = 6, max_turn_tokens: int = 128,
+                      max_episode_tokens: int = 512, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                      batch_size: int = 64, seed: int = 0, return_completions: bool = False) -> dict:
+    "pass@1 (a greedy episode per example), pass@k and maj@k (k sampled episodes), format rate and tool use of `model` playing `factory`'s environment."
+    if not examples: raise ValueError("no examples to evaluate")
+    golds, n = [str(e["answer"]) for e in examples], len(examples)
+    kw = dict(max_prompt_length=max_prompt_length, max_turns=max_turns, max_turn_tokens=max_turn_tokens,
+              max_episode_tokens=max_episode_tokens, eos_ids=stop_token_ids(tokenizer),
+              pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+    greedy = _play(model, tokenizer, list(examples), factory, batch_size, seed, temperature=0.0, **kw)
+    texts = [t for e in greedy for t in e.text]
+    samples = None
+    if k:
+        sampled = _play(model, tokenizer, [e for e in examples for _ in range(k)], factory, batch_size, seed + 1,
+                        temperature=temperature, top_k=top_k, top_p=top_p, **kw)
+        flat = [t for e in sampled for t in e.text]
+        samples = [flat[i * k:(i + 1) * k] for i in range(n)]
+    out = score_samples(texts, samples, golds, k, template) | _episode_stats(greedy) | {"temperature": float(temperature)}
+    if return_completions:
+        msgs = [m for e in greedy for m in e.messages]
+        out["completions"] = [{"question": x["question"], "answer": a, "completion": t, "extracted": extract_answer(t),
+                               "correct": _correct(t, a), "messages": m} for x, a, t, m in zip(examples, golds, texts, msgs)]
+    return out
+
+# %% ../nbs/14_evaluate.ipynb
+def held_out_metrics(cfg: GenerationConfig, model, tokenizer, examples: Sequence[dict], *, return_completions: bool = False) -> dict:
+    "The held-out metrics `cfg` asks for: `evaluate` (one completion per prompt), or `evaluate_episodes` in `cfg.environment`."
+    opts = eval_options(cfg)
+    if not getattr(cfg, "environment", ""): return evaluate(model, tokenizer, examples, return_completions=return_completions, **opts)
+    opts.pop("max_completion_length")
+    return evaluate_episodes(model, tokenizer, examples, environment_factory(cfg.environment),
+                             return_completions=return_completions, **opts, **episode_limits(cfg))
+
+# %% ../nbs/14_evaluate.ipynb
 def show_generations(run_directory, cfg: RunConfig, n: int = 3) -> list[dict]:
     "Print `n` greedy completions of the policy in `run_directory` on eval prompts, with the gold answers."
     import jax
@@ -234,13 +288,14 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = False) -> dict:
     with RunLock(out_dir, enabled=primary):
         s, examples = setup_run(cfg), load_eval_examples(cfg)
         with jax.set_mesh(s.mesh):
-            res = evaluate(s.model, s.tokenizer, examples, return_completions=True, **eval_options(cfg))
+            res = held_out_metrics(cfg, s.model, s.tokenizer, examples, return_completions=True)
         completions, step = res.pop("completions"), _checkpoint_step(cfg.load_parameters_path)
         if primary:
             log = MetricsLogger(out_dir, total_steps=1, progress=progress, show=("pass@1",))   # a new evaluation replaces the last one
             log.log(step, {**res, "load_parameters_path": cfg.load_parameters_path}, kind="eval"); log.close()
             record = {"load_parameters_path": cfg.load_parameters_path, "step": step, "metrics": res,
                       "settings": {"num_prompts": len(examples), **eval_options(cfg),
+                                   **({"environment": cfg.environment, **episode_limits(cfg)} if cfg.environment else {}),
                                    "dataset_name": cfg.eval_dataset_name or cfg.dataset_name, "eval_split": cfg.eval_split},
                       "completions": completions}
             (out_dir / "eval.json").write_text(json.dumps(record, indent=1))

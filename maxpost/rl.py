@@ -22,7 +22,9 @@ from .rewards import (REWARD_ISOLATION, as_reward_specs, compute_rewards, correc
                              close_reward_workers)
 from .sampling import Rollout, generate, completion_logps, split_groups, make_logps_fn
 from .prompts import prompt_token_ids, stop_token_ids
-from .evaluate import load_examples, load_eval_examples, evaluate, eval_options
+from .evaluate import load_examples, load_eval_examples, evaluate, eval_options, held_out_metrics
+from .environments import (EpisodeConfig, Episodes, episode_limits, episode_problems, environment_factory,
+                                  make_environments, rollout_episodes)
 from .tasks import check_held_out
 from .policy import Setup
 from .train import Trainer
@@ -30,9 +32,9 @@ from .step import make_update_step, ReferencePolicy
 
 # %% auto 0
 __all__ = ['DEFAULT_EPSILONS', 'DEFAULT_IMPORTANCE_SAMPLING', 'STALE_IMPORTANCE_SAMPLING', 'ROLLOUT_ENGINES', 'resolve_epsilons',
-           'default_loss_agg_mode', 'loss_options', 'default_importance_sampling', 'RLConfig', 'RolloutEngine',
-           'SamplerEngine', 'make_engine', 'sampling_options', 'correction_options', 'rollout_metrics',
-           'group_mini_batches', 'make_rl_step', 'RLTrainer', 'train_rl']
+           'default_loss_agg_mode', 'loss_options', 'completion_width', 'default_importance_sampling', 'RLConfig',
+           'RolloutEngine', 'SamplerEngine', 'make_engine', 'sampling_options', 'correction_options', 'rollout_metrics',
+           'group_mini_batches', 'make_rl_step', 'RLTrainer', 'episode_batch', 'train_rl']
 
 # %% ../nbs/15_rl.ipynb
 DEFAULT_EPSILONS = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4)}
@@ -52,7 +54,11 @@ def loss_options(cfg: RLConfig) -> dict:
     low, high = resolve_epsilons(cfg)
     agg = cfg.loss_agg_mode or default_loss_agg_mode(cfg.loss_algo)
     return dict(loss_algo=cfg.loss_algo, epsilon_low=low, epsilon_high=high, beta=cfg.beta,
-                kl_estimator=cfg.kl_estimator, loss_agg_mode=agg, max_completion_length=cfg.max_completion_length)
+                kl_estimator=cfg.kl_estimator, loss_agg_mode=agg, max_completion_length=completion_width(cfg))
+
+def completion_width(cfg: RLConfig) -> int:
+    "Tokens after the prompt in a rollout batch: `max_completion_length`, or with `environment=` the episode's `max_episode_tokens`."
+    return episode_limits(cfg)["max_episode_tokens"] if cfg.environment else cfg.max_completion_length
 
 # %% ../nbs/15_rl.ipynb
 DEFAULT_IMPORTANCE_SAMPLING = {"maxpost": "none", "vllm": "sequence_mask"}   # the engine -> the correction it needs
@@ -66,7 +72,7 @@ def default_importance_sampling(engine: str, max_staleness: int = 0) -> str:
 ROLLOUT_ENGINES = ("maxpost", "vllm")   # the samplers of the rollouts (below)
 
 @dataclass
-class RLConfig(TrainConfig, GenerationConfig):
+class RLConfig(EpisodeConfig, TrainConfig, GenerationConfig):
     "Reinforcement learning with group-relative policy optimisation (GRPO, GSPO)."
     num_generations: int = key(8, positive=True,
         help="completions per prompt (G), the group of group-relative advantages")
@@ -145,7 +151,7 @@ class RLConfig(TrainConfig, GenerationConfig):
 
     def problems(self) -> list[str]:
         "`TrainConfig`'s problems (with the group checks), one weight per reward function, and bounds of the sampler correction that make sense."
-        out = super().problems()
+        out = super().problems() + episode_problems(self)
         if len(self.reward_functions) != len(self.reward_weights):
             out.append(f"reward_functions has {len(self.reward_functions)} entries but reward_weights has "
                        f"{len(self.reward_weights)}; give one weight per function")
@@ -286,6 +292,7 @@ class RLTrainer(Trainer):
                                        list(zip(cfg.reward_functions, cfg.reward_weights)), template=cfg.prompt_template)
         if cfg.reward_isolation == "process": start_reward_workers(self.rewards)   # they boot while the rest loads
         correctness = any(s.fn is correctness_reward for s in self.rewards)
+        self.environment = environment_factory(cfg.environment) if cfg.environment else None   # episodes: one per call
         self.prompts = PromptIterator(load_examples(cfg, cfg.train_split, check_gold=correctness), seed=cfg.seed)
         self.eval_examples = load_eval_examples(cfg)
         self.build_steps()
@@ -299,7 +306,9 @@ class RLTrainer(Trainer):
         return None if self.reference is None else self.reference.params
 
     @property
-    def summary_keys(self): return ("reward", *(f"rewards/{s.name}/mean" for s in self.rewards), "kl")
+    def summary_keys(self):
+        return ("reward", *(f"rewards/{s.name}/mean" for s in self.rewards), "kl",
+                *(("episodes/tool_use", "episodes/turns", "episodes/env_errors") if self.environment else ()))
 
     def build_steps(self) -> None:
         cfg, G, A, chunk = self.cfg, self.cfg.num_generations, self.cfg.gradient_accumulation_steps, self.cfg.logits_chunk_size
@@ -314,6 +323,7 @@ class RLTrainer(Trainer):
         cfg, G = self.cfg, self.cfg.num_generations
         examples = self.prompts.next(cfg.global_batch_size // G)
         data_state, index = self.prompts.state(), self.step if index is None else index
+        if self.environment is not None: return self.episode_rollout(examples, index, engine, data_state)
         t0 = time.perf_counter()
         r = (engine or self.engine).generate(prompt_token_ids(self.tokenizer, [e["question"] for e in examples],
                                                               cfg.prompt_template),
@@ -365,9 +375,9 @@ class RLTrainer(Trainer):
     def train_step(self) -> dict: return self.update(self.rollout())
 
     def evaluate(self) -> dict:
-        "pass@1 (greedy), pass@k, maj@k and format rate on the eval split (see 14_evaluate)."
+        "pass@1 (greedy), pass@k, maj@k and format rate on the eval split, of episodes with `environment=` (see 14_evaluate)."
         with jax.set_mesh(self.mesh):
-            res = evaluate(self.model, self.tokenizer, self.eval_examples, **eval_options(self.cfg))
+            res = held_out_metrics(self.cfg, self.model, self.tokenizer, self.eval_examples)
         return {k: v for k, v in res.items() if not isinstance(v, (list, dict))}
 
     def data_state(self) -> dict: return self.prompts.state()
@@ -378,6 +388,43 @@ class RLTrainer(Trainer):
     memory_knobs = ("remat_policy=full, a larger gradient_accumulation_steps (micro-batches of the update and the "
                     "log-prob passes), a smaller mini_batch_size or logits_chunk_size, a shorter max_prompt_length or "
                     "max_completion_length, or more devices (fsdp_parallelism)")
+
+# %% ../nbs/15_rl.ipynb
+def episode_batch(ep: Episodes, rewards_b: np.ndarray, num_generations: int, scale: str = "group") -> tuple[dict, np.ndarray]:
+    "The training batch of `Episodes` and their total rewards (0 where the environment failed), and those rewards."
+    failed = np.array([e is not None for e in ep.env_errors])
+    total = np.where(failed, 0.0, rewards_b).astype(np.float32)
+    mask = ep.completion_mask.copy()
+    G, P = num_generations, ep.prompt_ids * ep.prompt_mask
+    same = (P.reshape(-1, G, P.shape[1]) == P[::G][:, None]).all(-1).reshape(-1)   # the log-prob pass shares a group's prompt
+    mask[~same] = 0
+    adv = np.asarray(group_advantages(jnp.asarray(total), G, scale=scale), np.float32)
+    return dict(prompt_ids=ep.prompt_ids, prompt_mask=ep.prompt_mask, completion_ids=ep.completion_ids,
+                completion_mask=mask, advantages=adv), total
+
+# %% ../nbs/15_rl.ipynb
+def _episode_rollout(self: RLTrainer, examples: list[dict], index: int, engine, data_state) -> dict:
+    "`rollout` with `environment=`: G episodes of each example, scored by the environment and the reward functions."
+    cfg, G = self.cfg, self.cfg.num_generations
+    group = [e for e in examples for _ in range(G)]
+    t0 = time.perf_counter()
+    ep = rollout_episodes(engine or self.engine, self.tokenizer, make_environments(self.environment, len(group)), group,
+                          max_prompt_length=cfg.max_prompt_length, temperature=cfg.temperature, top_k=cfg.top_k,
+                          top_p=cfg.top_p, eos_ids=self.sampling["eos_ids"], pad_id=self.sampling["pad_id"],
+                          seed=cfg.seed * 1_000_003 + index, **episode_limits(cfg))
+    t_roll = time.perf_counter() - t0
+    columns = {k: [e[k] for e in group] for k in examples[0] if k != "question"}
+    scored, _, reward_metrics = compute_rewards(self.rewards, [e["question"] for e in group], ep.text, columns,
+                                                timeout_s=cfg.reward_timeout_s, isolation=cfg.reward_isolation)
+    batch, total = episode_batch(ep, np.asarray(scored) + ep.rewards, G, cfg.advantage_scale)
+    info = {**rollout_metrics(total, batch["advantages"], ep.completion_ids, batch["completion_mask"], G, self.sampling["eos_ids"]),
+            "completions/clipped_ratio": float(ep.truncated.mean()), **reward_metrics, **ep.metrics(),
+            "rewards/environment/mean": float(ep.rewards.mean()), "timing/rollout": t_roll,
+            "truncated_prompts": ep.num_truncated_prompts, "num_tokens": int(ep.prompt_mask.sum() + batch["completion_mask"].sum())}
+    return dict(batch=batch, sampler_logps=ep.per_token_logps, info=info, text=ep.text, examples=examples,
+                data_state=data_state, messages=ep.messages)
+
+RLTrainer.episode_rollout = _episode_rollout
 
 # %% ../nbs/15_rl.ipynb
 def train_rl(cfg: RLConfig, *, progress: bool = True, reward_fns=None) -> dict:

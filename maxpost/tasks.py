@@ -5,8 +5,8 @@
 # %% auto 0
 __all__ = ['NAMES', 'ITEMS', 'SYSTEM_PROMPT', 'TASK_FILES', 'SHORTCUT_SHARE', 'HASTY_ERROR_RATE', 'PAD', 'ENDOFTEXT', 'IM_START',
            'IM_END', 'UNK', 'TAGS', 'CHAT_TEMPLATE', 'PRE_TOKENIZER_PATTERN', 'MAX_VOCAB', 'TASK_VERSION',
-           'TOOL_TOKENS', 'CALCULATOR_SHARE', 'Difficulty', 'generate_problem', 'generate_problems', 'make_splits',
-           'prompt_messages', 'format_completion', 'is_answer_only', 'skip_last_step', 'sft_messages',
+           'EMBEDDED_TASKS', 'TOOL_TOKENS', 'CALCULATOR_SHARE', 'Difficulty', 'generate_problem', 'generate_problems',
+           'make_splits', 'prompt_messages', 'format_completion', 'is_answer_only', 'skip_last_step', 'sft_messages',
            'write_embedded_task', 'tokenizer_corpus', 'build_tokenizer', 'prepare_embedded', 'embedded_task_dir',
            'prepare_embedded_task', 'embedded_split', 'check_held_out', 'build_calculator_tokenizer',
            'calculator_messages', 'write_calculator_task', 'prepare_calculator_task']
@@ -251,14 +251,20 @@ def prepare_embedded(directory, *, seed: int = 0, n_train: int = 20_000, n_test:
     return paths
 
 # %% ../nbs/05_tasks.ipynb
+EMBEDDED_TASKS = ("default", "calculator")   # the variants a config's `embedded_task` may name (below, "A calculator variant")
+
+def _variant(cfg) -> str: return getattr(cfg, "embedded_task", "default") or "default"
+
 def embedded_task_dir(cfg: RunConfig) -> Path:
-    "Where the embedded task and its tokenizer live for runs under `cfg.base_output_directory`."
-    return Path(os.path.expanduser(cfg.base_output_directory)) / "embedded_task"
+    "Where the embedded task (the variant `cfg.embedded_task` names, where the config has that key) and its tokenizer live for runs under `cfg.base_output_directory`."
+    v = _variant(cfg)
+    return Path(os.path.expanduser(cfg.base_output_directory)) / ("embedded_task" if v == "default" else f"embedded_task_{v}")
 
 def prepare_embedded_task(cfg: RunConfig) -> dict[str, str]:
-    "`tasks.prepare_embedded` into `embedded_task_dir(cfg)`, a failed write (full disk, no permission) as one `ConfigError` naming the directory."
-    d = embedded_task_dir(cfg)
-    try: return prepare_embedded(d, seed=cfg.seed)
+    "`tasks.prepare_embedded` (or `prepare_calculator_task` for `embedded_task=calculator`) into `embedded_task_dir(cfg)`, a failed write (full disk, no permission) as one `ConfigError` naming the directory."
+    d, v = embedded_task_dir(cfg), _variant(cfg)
+    if v not in EMBEDDED_TASKS: raise ConfigError(f"embedded_task={v!r} is not one of {', '.join(EMBEDDED_TASKS)}")
+    try: return (prepare_calculator_task if v == "calculator" else prepare_embedded)(d, seed=cfg.seed)
     except OSError as e:
         raise ConfigError(f"could not write the embedded task (about 15 MB) into {d}: {e.strerror or e} "
                           f"({e.filename or d}); free space there or set base_output_directory= to a writable "

@@ -335,3 +335,71 @@ def test_eval_writes_into_its_own_directory_never_a_training_run(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "training run's directory" in r.stderr, r.stderr[-2000:]
     assert list((tmp_path / "embedded-grpo").iterdir()) == [tmp_path / "embedded-grpo" / "checkpoints"]
+
+
+# ------------------------------------------------------------------------ evaluating episodes (environment=, issue 42)
+
+def _tool_reader(problems):
+    "A scripted policy: the calculator calls of each problem's demonstration, then as its answer the last tool output it was shown."
+    from maxpost.environments import ScriptedEngine
+    ctok = tasks.build_calculator_tokenizer()
+    def respond(context):
+        demo = tasks.calculator_messages(next(p for p in problems if p["question"] in context))
+        calls = [m["content"] for m in demo if m["role"] == "assistant"][:-1]
+        turn = context.count("<|im_start|>assistant") - 1
+        if turn < len(calls): return calls[turn]
+        shown = re.findall(r"<\|im_start\|>tool\n(.*?)<\|im_end\|>", context, re.S)
+        return f"<reasoning>read</reasoning><answer>{shown[-1] if shown else 'none'}</answer>"
+    return ScriptedEngine(ctok, respond), ctok
+
+
+def test_evaluate_episodes_scores_the_answer_built_on_the_tools_outputs():
+    """pass@1 is 1 only if every call ran and its output came back to the policy as a tool message (the answer is the
+    last output it was shown); a tool that answers wrongly, or an environment that does not pass outputs back, scores 0."""
+    from maxpost.environments import ToolEnvironment, Toolbox, calculator, calculator_environment
+    from maxpost.evaluate import evaluate_episodes
+    problems = [p for p in tasks.generate_problems(12, seed=3, split="test") if " = " in p["answer"]][:4]
+    examples = [dict(p, answer=gsm8k_gold(p["answer"])) for p in problems]
+    engine, ctok = _tool_reader(problems)
+    kw = dict(k=2, max_prompt_length=96, max_turns=6, max_turn_tokens=48, max_episode_tokens=256, batch_size=3)
+    res = evaluate_episodes(engine, ctok, examples, calculator_environment, **kw)
+    steps = [p["answer"].count(" = ") for p in problems]
+    assert res["pass@1"] == 1.0 and res["pass@2"] == 1.0 and res["tool_use"] == 1.0 and res["tool_errors"] == 0
+    assert res["tool_calls"] == pytest.approx(np.mean(steps)) and res["turns"] == pytest.approx(np.mean(steps) + 1)
+
+    def calculator_off_by_one(expression: str) -> str:
+        """A calculator that is wrong by one.
+
+        Args:
+            expression: the expression
+        """
+        return str(int(calculator(expression)) + 1)
+    calculator_off_by_one.__name__ = "calculator"
+    wrong = evaluate_episodes(engine, ctok, examples, lambda: ToolEnvironment(Toolbox([calculator_off_by_one], isolation="inline")), **kw)
+    assert wrong["pass@1"] == 0.0 and wrong["tool_use"] == 1.0
+
+    class Mute(ToolEnvironment):    # runs the tools but gives the model nothing back
+        def step(self, text):
+            messages, reward, done = super().step(text)
+            return [dict(m, role="user", content="ok") for m in messages], reward, done
+    mute = evaluate_episodes(engine, ctok, examples, lambda: Mute(Toolbox([calculator], isolation="inline")), **kw)
+    assert mute["pass@1"] == 0.0
+
+
+def test_held_out_metrics_plays_episodes_only_with_an_environment(tok):
+    from maxpost.evaluate import EvalConfig, held_out_metrics
+    from maxpost.config import default_base
+    problems = [p for p in tasks.generate_problems(12, seed=3, split="test") if " = " in p["answer"]][:2]
+    examples = [dict(p, answer=gsm8k_gold(p["answer"])) for p in problems]
+    engine, ctok = _tool_reader(problems)
+    cfg = load_config(EvalConfig, ["base_output_directory=/tmp/x", "eval_k=0", "max_prompt_length=96",
+                                   "environment=calculator", "max_turn_tokens=48", "max_episode_tokens=256"],
+                      base=default_base("eval"))
+    res = held_out_metrics(cfg, engine, ctok, examples)
+    assert res["pass@1"] == 1.0 and res["tool_use"] == 1.0
+    import dataclasses
+    single = dataclasses.replace(cfg, environment="", max_completion_length=4)
+    from maxpost.model import create_model, get_model_config
+    model = create_model(get_model_config("tiny", num_layers=1), seed=0)
+    out = held_out_metrics(single, model, tok, examples)
+    assert "tool_use" not in out and out["mean_completion_length"] <= 4

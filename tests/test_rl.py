@@ -195,6 +195,14 @@ def test_every_rl_key_is_read_by_the_run(tmp_path):
                                  f"eval_dataset_name={held}", "eval_split=train", "max_completion_length=8",
                                  "max_staleness=1", "weight_sync_steps=1"], base=None)
     assert AsyncRLTrainer(acfg).fit(progress=False)["step"] == 1
+    # the episode keys (max_turns, max_turn_tokens, max_episode_tokens) are read only with environment=: a step of it
+    ecfg = load_config(Tracked, [f"base_output_directory={tmp_path}", "run_name=walk_env", "load_parameters_path=",
+                                 f"tokenizer_path={tok}", "model_overrides={num_layers: 1}", f"dataset_name={train}",
+                                 "steps=1", "global_batch_size=4", "num_generations=2", "max_prompt_length=64",
+                                 f"eval_dataset_name={held}", "eval_split=train", "eval_num_prompts=2", "eval_k=0",
+                                 "max_completion_length=8", "environment=calculator", "max_turns=2",
+                                 "max_turn_tokens=6", "max_episode_tokens=16"], base=None)
+    assert RLTrainer(ecfg).fit(progress=False)["step"] == 1
     # lora_dropout: only 0 is accepted; load_adapter_path: refused without lora_rank, read when adapters are
     # attached (tests/test_lora.py starts a run's adapters from a peft directory with it)
     refused = {"lora_dropout", "load_adapter_path"}
