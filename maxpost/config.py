@@ -101,6 +101,9 @@ class RunConfig:
     seed: int = key(0, help="seed of the initial weights, the data order and the sampling")
     dataset_name: str = key("",
         help="a hub name, a local directory, jsonl/parquet/csv file(s) or reasoning_gym:<task>; \"\" = the embedded task")
+    embedded_task: str = key("default", choices=("default", "calculator"),
+        help="with dataset_name=\"\": the embedded task's variant; calculator = a share of the SFT demonstrations call a "
+             "calculator tool (chapter 05; for maxpost rl environment=calculator)")
     dataset_config: str = key("",
         help="the dataset's configuration name (reasoning_gym: seed=..,train_size=..,<options>)")
     eval_dataset_name: str = key("", help="held-out data of its own; \"\" = the eval_split of dataset_name")

@@ -158,6 +158,7 @@ def held_out_after_sft(cfg: SFTConfig) -> dict | None:
     "Greedy pass@1 and format rate of an SFT run's final policy on its first `eval_num_prompts` held-out problems, by `maxpost eval`'s code and defaults (the record lands in `eval-<run_name>` beside the run); None, with the reason on stderr, when `eval_num_prompts` is 0 or the held-out rows have no question and answer."
     if not cfg.eval_num_prompts: return None
     ecfg = eval_config_for(cfg, load_parameters_path=str(run_dir(cfg)), model_overrides={},
+                          environment="calculator" if cfg.embedded_task == "calculator" and not cfg.dataset_name else "",
                           eval_num_prompts=cfg.eval_num_prompts, eval_k=0)
     try: load_eval_examples(ecfg)
     except ConfigError as e:
