@@ -20,7 +20,7 @@ from .sharding import param_shardings, host_array, variable_at
 __all__ = ['ARCHITECTURES', 'hf_config_to_model_config', 'model_config_to_hf_config', 'HFParam', 'hf_param_map', 'hf_to_param',
            'param_to_hf', 'hf_state_dict', 'save_hf', 'load_hf', 'CheckpointError', 'save_limit_gb',
            'checkpoint_manager', 'prune_steps', 'state_bytes', 'check_free_space', 'finish_saves', 'save_state',
-           'restore_state']
+           'describe_size', 'checkpoint_size', 'restore_state']
 
 # %% ../nbs/03_checkpoint.ipynb
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3",
@@ -440,6 +440,19 @@ def save_state(mgr: ocp.CheckpointManager, step: int, params, opt_state=None, me
     mgr.maxpost_pending = step
     if not getattr(mgr, "maxpost_async", False): finish_saves(mgr)
 
+
+# %% ../nbs/03_checkpoint.ipynb
+def describe_size(n: int) -> str:
+    "`n` bytes in MiB, or GiB from 1 GiB."
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+def checkpoint_size(path) -> int:
+    "Bytes on disk of one checkpoint: a file, a directory (a Hugging Face model, one step of a maxpost run), or a maxpost run's newest step."
+    p = Path(path).expanduser()
+    if p.is_file(): return p.stat().st_size
+    steps = sorted(int(q.name) for q in (p / "checkpoints").glob("*") if q.name.isdigit())
+    if steps: p = p / "checkpoints" / str(steps[-1])
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 # %% ../nbs/03_checkpoint.ipynb
 def restore_state(mgr: ocp.CheckpointManager, params_like, opt_state_like=None, *, step: int | None = None):
