@@ -353,15 +353,22 @@ def check_free_space(directory, need: int, step: int, latest: int | None) -> Non
 # %% ../nbs/03_checkpoint.ipynb
 def _drop_closed_loop_tracebacks() -> None:
     "Once per process: when a write fails, Tensorstore's callbacks for the writes still in flight land on Orbax's closed event loop, each reporting \"RuntimeError: Event loop is closed\" (some through `sys.excepthook`, some through `sys.unraisablehook`), hundreds burying the error: drop exactly those, pass everything else on."
-    if getattr(sys.excepthook, "maxpost_quiet", False): return
     closed = lambda e: isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
-    previous, previous_unraisable = sys.excepthook, sys.unraisablehook
-    def hook(kind, value, tb):
-        if not closed(value): previous(kind, value, tb)
-    def unraisable(u):
-        if not closed(u.exc_value): previous_unraisable(u)
-    hook.maxpost_quiet = True
-    sys.excepthook, sys.unraisablehook = hook, unraisable
+    def quiet(previous):
+        def hook(kind, value, tb):
+            if not closed(value): previous(kind, value, tb)
+        hook.maxpost_quiet = True
+        return hook
+    if not getattr(sys.excepthook, "maxpost_quiet", False): sys.excepthook = quiet(sys.excepthook)
+    if not getattr(sys.unraisablehook, "maxpost_quiet", False):
+        previous_unraisable = sys.unraisablehook
+        def unraisable(u):
+            if not closed(u.exc_value): previous_unraisable(u)
+        unraisable.maxpost_quiet = True
+        sys.unraisablehook = unraisable
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()   # IPython (Jupyter) sets sys.excepthook
+    if shell is not None and not getattr(shell.excepthook, "maxpost_quiet", False):   # to its own at each cell: that too
+        shell.excepthook = quiet(shell.excepthook)
 
 class _OrbaxUnretrieved(logging.Filter):
     "Drops asyncio's \"<Task, Future, _GatheringFuture> exception was never retrieved\" for Orbax's writes that a failed save abandoned (logged when they are collected, sometimes after the error was reported)."
@@ -458,6 +465,7 @@ def checkpoint_size(path) -> int:
 def restore_state(mgr: ocp.CheckpointManager, params_like, opt_state_like=None, *, step: int | None = None):
     "`(params, opt_state, meta)` of `step`, or of the newest step that restores, on the shardings of the `*_like` trees; `meta['step']` is the step restored."
     finish_saves(mgr, " (written in the background; found before a restore)")
+    _drop_closed_loop_tracebacks()   # a step that fails to read leaves Tensorstore callbacks on Orbax's closed loop too
     steps = [int(step)] if step is not None else sorted(mgr.all_steps(), reverse=True)
     if not steps: raise FileNotFoundError(f"no checkpoint under {mgr.directory}")
     items = dict(params=ocp.args.StandardRestore(_abstract(params_like)), meta=ocp.args.JsonRestore())
