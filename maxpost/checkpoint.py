@@ -20,7 +20,7 @@ from .sharding import param_shardings, host_array, variable_at
 __all__ = ['ARCHITECTURES', 'hf_config_to_model_config', 'model_config_to_hf_config', 'HFParam', 'hf_param_map', 'hf_to_param',
            'param_to_hf', 'hf_state_dict', 'save_hf', 'load_hf', 'CheckpointError', 'save_limit_gb',
            'checkpoint_manager', 'prune_steps', 'state_bytes', 'check_free_space', 'finish_saves', 'save_state',
-           'restore_state']
+           'describe_size', 'checkpoint_size', 'restore_state']
 
 # %% ../nbs/03_checkpoint.ipynb
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3",
@@ -353,15 +353,22 @@ def check_free_space(directory, need: int, step: int, latest: int | None) -> Non
 # %% ../nbs/03_checkpoint.ipynb
 def _drop_closed_loop_tracebacks() -> None:
     "Once per process: when a write fails, Tensorstore's callbacks for the writes still in flight land on Orbax's closed event loop, each reporting \"RuntimeError: Event loop is closed\" (some through `sys.excepthook`, some through `sys.unraisablehook`), hundreds burying the error: drop exactly those, pass everything else on."
-    if getattr(sys.excepthook, "maxpost_quiet", False): return
     closed = lambda e: isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
-    previous, previous_unraisable = sys.excepthook, sys.unraisablehook
-    def hook(kind, value, tb):
-        if not closed(value): previous(kind, value, tb)
-    def unraisable(u):
-        if not closed(u.exc_value): previous_unraisable(u)
-    hook.maxpost_quiet = True
-    sys.excepthook, sys.unraisablehook = hook, unraisable
+    def quiet(previous):
+        def hook(kind, value, tb):
+            if not closed(value): previous(kind, value, tb)
+        hook.maxpost_quiet = True
+        return hook
+    if not getattr(sys.excepthook, "maxpost_quiet", False): sys.excepthook = quiet(sys.excepthook)
+    if not getattr(sys.unraisablehook, "maxpost_quiet", False):
+        previous_unraisable = sys.unraisablehook
+        def unraisable(u):
+            if not closed(u.exc_value): previous_unraisable(u)
+        unraisable.maxpost_quiet = True
+        sys.unraisablehook = unraisable
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()   # IPython (Jupyter) sets sys.excepthook
+    if shell is not None and not getattr(shell.excepthook, "maxpost_quiet", False):   # to its own at each cell: that too
+        shell.excepthook = quiet(shell.excepthook)
 
 class _OrbaxUnretrieved(logging.Filter):
     "Drops asyncio's \"<Task, Future, _GatheringFuture> exception was never retrieved\" for Orbax's writes that a failed save abandoned (logged when they are collected, sometimes after the error was reported)."
@@ -442,9 +449,23 @@ def save_state(mgr: ocp.CheckpointManager, step: int, params, opt_state=None, me
 
 
 # %% ../nbs/03_checkpoint.ipynb
+def describe_size(n: int) -> str:
+    "`n` bytes in MiB, or GiB from 1 GiB."
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+def checkpoint_size(path) -> int:
+    "Bytes on disk of one checkpoint: a file, a directory (a Hugging Face model, one step of a maxpost run), or a maxpost run's newest step."
+    p = Path(path).expanduser()
+    if p.is_file(): return p.stat().st_size
+    steps = sorted(int(q.name) for q in (p / "checkpoints").glob("*") if q.name.isdigit())
+    if steps: p = p / "checkpoints" / str(steps[-1])
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+# %% ../nbs/03_checkpoint.ipynb
 def restore_state(mgr: ocp.CheckpointManager, params_like, opt_state_like=None, *, step: int | None = None):
     "`(params, opt_state, meta)` of `step`, or of the newest step that restores, on the shardings of the `*_like` trees; `meta['step']` is the step restored."
     finish_saves(mgr, " (written in the background; found before a restore)")
+    _drop_closed_loop_tracebacks()   # a step that fails to read leaves Tensorstore callbacks on Orbax's closed loop too
     steps = [int(step)] if step is not None else sorted(mgr.all_steps(), reverse=True)
     if not steps: raise FileNotFoundError(f"no checkpoint under {mgr.directory}")
     items = dict(params=ocp.args.StandardRestore(_abstract(params_like)), meta=ocp.args.JsonRestore())

@@ -5,7 +5,7 @@
 # %% ../nbs/04_data.ipynb 4
 from __future__ import annotations
 
-import bisect, codecs, glob, hashlib, json, os, re, shutil, socket, warnings
+import bisect, codecs, glob, hashlib, json, os, re, shutil, socket, sys, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -15,10 +15,10 @@ import numpy as np
 from .config import ConfigError
 
 # %% auto 0
-__all__ = ['FORMATS', 'DATA_FORMATS', 'TRAIN_ON', 'CHAT_ROLES', 'load_tokenizer', 'detect_format', 'dataset_splits',
-           'load_dataset_split', 'same_rows', 'assistant_spans', 'encode_chat', 'show_mask', 'encode_example',
-           'Examples', 'tokenize_dataset', 'check_examples', 'pack_best_fit', 'make_rows', 'padding_fraction',
-           'BatchIterator', 'make_sft_iterator', 'encode_prompt', 'PromptIterator']
+__all__ = ['FORMATS', 'DATA_FORMATS', 'TRAIN_ON', 'CHAT_ROLES', 'load_tokenizer', 'warn_missing_template', 'detect_format',
+           'dataset_splits', 'load_dataset_split', 'same_rows', 'assistant_spans', 'encode_chat', 'show_mask',
+           'encode_example', 'Examples', 'tokenize_dataset', 'check_examples', 'pack_best_fit', 'make_rows',
+           'padding_fraction', 'BatchIterator', 'make_sft_iterator', 'encode_prompt', 'PromptIterator']
 
 # %% ../nbs/04_data.ipynb
 _VOCAB_FILES = ("tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "tokenizer.tiktoken")  # slow tokenizers'
@@ -46,7 +46,21 @@ def load_tokenizer(path: str | Path, *, chat_template: str | None = None):
     if chat_template:
         is_file = "{" not in chat_template and Path(chat_template).is_file()  # a template file or the template itself
         tok.chat_template = Path(chat_template).read_text() if is_file else chat_template
+    warn_missing_template(tok, path)
     return tok
+
+# %% ../nbs/04_data.ipynb
+def warn_missing_template(tokenizer, where) -> bool:
+    "Print one warning line when `tokenizer` knows a chat model's end-of-turn token but has no chat template (prompts would be plain text); whether it warned."
+    from maxpost.prompts import END_OF_TURN_TOKENS
+    if getattr(tokenizer, "chat_template", None): return False
+    turns = [t for t in END_OF_TURN_TOKENS if t in tokenizer.get_vocab()]
+    if not turns: return False
+    print(f"warning: the tokenizer from {where} knows the chat token {turns[0]} but has no chat template: prompts are "
+          "plain text, which an instruct model follows poorly (its format rate drops); copy the model's "
+          "chat_template.jinja (or the chat_template of its tokenizer_config.json) into that directory, or set "
+          "tokenizer_path= to one that has it", file=sys.stderr, flush=True)
+    return True
 
 # %% ../nbs/04_data.ipynb
 FORMATS = ("messages", "prompt_completion", "question_answer", "text")

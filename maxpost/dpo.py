@@ -4,13 +4,14 @@
 
 # %% ../nbs/15b_dpo.ipynb 5
 from __future__ import annotations
-import json, os, random, sys
+import inspect, json, os, random, sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
+from omegaconf import OmegaConf
 
 from . import tasks, sharding
 from .config import TrainConfig, GenerationConfig, ConfigError, eval_source, key, register_kind, run_dir
@@ -25,9 +26,10 @@ from .train import Trainer, train_command, flops_per_token
 from .step import make_update_step, ReferencePolicy
 
 # %% auto 0
-__all__ = ['KIND', 'DPOConfig', 'extract_prompt', 'encode_pair', 'preference_batch', 'embedded_pair', 'write_embedded_pairs',
-           'embedded_pairs', 'load_pairs', 'PairData', 'preference_options', 'pair_logps', 'dpo_loss', 'make_dpo_loss',
-           'make_dpo_step', 'make_dpo_eval_step', 'make_reference_fn', 'DPOTrainer', 'train_dpo', 'main']
+__all__ = ['KIND', 'DPOConfig', 'loss_run_name', 'extract_prompt', 'pair_problem', 'encode_pair', 'preference_batch',
+           'embedded_pair', 'write_embedded_pairs', 'embedded_pairs', 'load_pairs', 'PairData', 'preference_options',
+           'pair_logps', 'dpo_loss', 'make_dpo_loss', 'make_dpo_step', 'make_dpo_eval_step', 'make_reference_fn',
+           'DPOTrainer', 'train_dpo', 'main']
 
 # %% ../nbs/15b_dpo.ipynb
 @dataclass
@@ -62,6 +64,14 @@ class DPOConfig(TrainConfig, GenerationConfig):
         return out
 
 # %% ../nbs/15b_dpo.ipynb
+def loss_run_name(loss_type: str) -> str:
+    "The word for `loss_type` in the default run name: `dpo` for DPO's `sigmoid`, else the loss's own name."
+    return "dpo" if loss_type == "sigmoid" else loss_type
+
+_new_api = "replace" in inspect.signature(OmegaConf.register_resolver).parameters   # omegaconf >= 2.4 renamed it
+(OmegaConf.register_resolver if _new_api else OmegaConf.register_new_resolver)("loss_run_name", loss_run_name, replace=True)
+
+# %% ../nbs/15b_dpo.ipynb
 def _is_conversation(x) -> bool:
     return isinstance(x, (list, tuple)) and all(isinstance(m, dict) and "role" in m and "content" in m for m in x)
 
@@ -90,8 +100,24 @@ def extract_prompt(chosen, rejected) -> tuple:
 def _render(tokenizer, messages, generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
 
+def _empty(x) -> str | None:
+    "Why the reply `x` holds nothing to learn from (null, empty, an empty last turn), or None."
+    if x is None: return "is null"
+    if isinstance(x, str): return None if x.strip() else "is empty"
+    if isinstance(x, (list, tuple)) and not x: return "is an empty conversation"
+    if _is_conversation(x) and not str(x[-1]["content"] or "").strip(): return "ends with an empty turn"
+    return None
+
+def pair_problem(row: dict) -> tuple[str, str] | None:
+    "`(key, what is wrong)` of a row whose `chosen` or `rejected` reply is null or empty, or whose two replies are the same; None for a usable pair."
+    for k in ("chosen", "rejected"):
+        if (why := _empty(row.get(k))) is not None: return k, why
+    if row["chosen"] == row["rejected"]: return "chosen", "is the same as rejected: the pair prefers nothing"
+    return None
+
 def encode_pair(tokenizer, row: dict, max_prompt_length: int = 512, max_completion_length: int = 512) -> dict:
-    "`prompt_ids`, `chosen_ids`, `rejected_ids` of one row with `chosen`, `rejected` and an optional `prompt` (strings or conversations)."
+    "`prompt_ids`, `chosen_ids`, `rejected_ids` of one row with `chosen`, `rejected` and an optional `prompt` (strings or conversations); `lengths`: the three before truncation."
+    if problem := pair_problem(row): raise ValueError(f"{problem[0]} {problem[1]}")
     chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
     if prompt is None or (isinstance(prompt, str) and not prompt and not isinstance(chosen, str)):
         prompt, chosen, rejected = extract_prompt(chosen, rejected)
@@ -117,7 +143,8 @@ def encode_pair(tokenizer, row: dict, max_prompt_length: int = 512, max_completi
     if not prompt_ids: raise ValueError("the prompt is empty: a preference pair needs a prompt to condition on")
     c, r = (x[:max_completion_length] for x in replies)
     return {"prompt_ids": prompt_ids[-max_prompt_length:], "chosen_ids": c, "rejected_ids": r,
-            "truncated": len(prompt_ids) > max_prompt_length or max(map(len, replies)) > max_completion_length}
+            "truncated": len(prompt_ids) > max_prompt_length or max(map(len, replies)) > max_completion_length,
+            "lengths": (len(prompt_ids), *map(len, replies))}
 
 # %% ../nbs/15b_dpo.ipynb
 def preference_batch(pairs: Sequence[dict], pad_id: int, max_prompt_length: int, max_completion_length: int) -> dict:
@@ -186,23 +213,44 @@ def load_pairs(cfg: DPOConfig, split: str, *, source: str | None = None) -> list
 
 # %% ../nbs/15b_dpo.ipynb
 class PairData:
-    "The pairs of one split, each tokenized when first drawn (`encode_pair`); `batch(indices)` pads them into a step's arrays."
-    def __init__(self, rows: Sequence[dict], tokenizer, max_prompt_length: int, max_completion_length: int):
-        self.rows, self.tokenizer, self.lengths = rows, tokenizer, (max_prompt_length, max_completion_length)
-        self.pad_id, self._encoded = tokenizer.pad_token_id or 0, {}
+    "The pairs of one split (`what`), each checked and tokenized up front (`encode_pair`); `batch(indices)` pads pairs into a step's arrays; `columns` maps chosen / rejected / prompt to the data's column names for the messages."
+    def __init__(self, rows: Sequence[dict], tokenizer, max_prompt_length: int, max_completion_length: int, *,
+                 what: str = "pairs", columns: dict | None = None):
+        self.rows, self.tokenizer, self.lengths, self.what = rows, tokenizer, (max_prompt_length, max_completion_length), what
+        self.pad_id, self.columns = tokenizer.pad_token_id or 0, {"prompt": "prompt", "chosen": "chosen",
+                                                                   "rejected": "rejected", **(columns or {})}
+        self._encoded = [self._encode(i, row) for i, row in enumerate(rows)]
+        full = np.array([e["lengths"] for e in self._encoded], np.int64).reshape(-1, 3)
+        self.longest = (int(full[:, 0].max(initial=0)), int(full[:, 1:].max(initial=0)))
+        self.prompts_truncated = int((full[:, 0] > max_prompt_length).sum())
+        self.replies_truncated = int((full[:, 1:].max(1, initial=0) > max_completion_length).sum())
+
+    def _encode(self, i: int, row: dict) -> dict:
+        if problem := pair_problem(row):
+            key, why = problem
+            fix = ("give a rejected reply that differs from the chosen one, or drop the row" if key == "chosen" and "same" in why
+                   else "fill it in or drop the row: a pair needs two non-empty replies")
+            raise ConfigError(f"{self.what}, row {i} (counting from 0): column {self.columns[key]!r} {why}; {fix}")
+        try: return encode_pair(self.tokenizer, row, *self.lengths)
+        except ValueError as e: raise ConfigError(f"{self.what}, row {i} (counting from 0): {e}") from None
 
     def __len__(self) -> int: return len(self.rows)
-
-    def encoded(self, i: int) -> dict:
-        if i not in self._encoded:
-            try: self._encoded[i] = encode_pair(self.tokenizer, self.rows[i], *self.lengths)
-            except ValueError as e: raise ConfigError(f"preference pair {i}: {e}") from None
-        return self._encoded[i]
+    def encoded(self, i: int) -> dict: return self._encoded[i]
 
     def batch(self, indices: Sequence[int]) -> dict:
         "`preference_batch` of the pairs at `indices`, plus `truncated`: how many of them were cut to fit."
         pairs = [self.encoded(int(i)) for i in indices]
         return {**preference_batch(pairs, self.pad_id, *self.lengths), "truncated": sum(p["truncated"] for p in pairs)}
+
+    def summary(self) -> str:
+        "One line on the split, as SFT's `check_examples`: its pairs, the prompts and replies truncation cut and how to keep them whole."
+        (P, C), (lp, lc) = self.lengths, self.longest
+        line = (f"{self.what}: {len(self)} pairs, {self.prompts_truncated} prompts truncated to max_prompt_length={P} (their "
+                f"first tokens dropped), {self.replies_truncated} pairs with a reply truncated to max_completion_length={C}")
+        if self.prompts_truncated or self.replies_truncated:
+            line += (f"; the longest prompt has {lp} tokens, the longest reply {lc}: raise max_prompt_length / "
+                     "max_completion_length to keep them whole")
+        return line
 
 # %% ../nbs/15b_dpo.ipynb
 def preference_options(cfg: DPOConfig) -> dict:
@@ -264,8 +312,14 @@ class DPOTrainer(Trainer):
         self.progress = progress
         check_held_out(cfg)
         B, lengths = cfg.global_batch_size, (cfg.max_prompt_length, cfg.max_completion_length)
-        self.train_data = PairData(load_pairs(cfg, cfg.train_split), self.tokenizer, *lengths)
-        self.eval_data = PairData(load_pairs(cfg, cfg.eval_split, source=eval_source(cfg)), self.tokenizer, *lengths)
+        cols = {"prompt": cfg.prompt_column, "chosen": cfg.chosen_column, "rejected": cfg.rejected_column}
+        def pairs(split, source, what):   # every pair checked and tokenized now: a bad row stops the run before step 1
+            data = PairData(load_pairs(cfg, split, source=source), self.tokenizer, *lengths, columns=cols,
+                            what=f"{what} pairs ({source or 'the embedded task'}, split {split!r})")
+            if progress and jax.process_index() == 0: print(data.summary(), file=sys.stderr)
+            return data
+        self.train_data = pairs(cfg.train_split, cfg.dataset_name, "train")
+        self.eval_data = pairs(cfg.eval_split, eval_source(cfg), "held-out")
         self.order = PromptIterator(list(range(len(self.train_data))), seed=cfg.seed)
         n_eval = min(len(self.eval_data), cfg.eval_batches * B)
         self.eval_chunks = [list(range(i, min(i + B, n_eval))) for i in range(0, n_eval, B)]

@@ -526,3 +526,17 @@ def test_a_model_directory_without_tokenizer_json_is_one_line_with_the_fix(tmp_p
     assert main(["eval", f"load_parameters_path={d}", f"base_output_directory={tmp_path}", "run_name=e"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{d} has no tokenizer.json" in err[0] and "sentencepiece" not in err[0], err
+
+
+def test_event_loop_closed_tracebacks_stay_dropped_in_later_notebook_cells():
+    """issue 43 item 7: chapter 03's committed output showed "RuntimeError: Event loop is closed" tracebacks, from a
+    failed save's Tensorstore callbacks landing in a later cell: IPython sets sys.excepthook to its own at every cell,
+    so the filter installed while the save ran was gone. It now filters the shell's hook too."""
+    from execnb.shell import CaptureShell
+    sh = CaptureShell()
+    text = lambda outs: "".join("".join(o.get("text", "")) + "".join(o.get("traceback", [])) for o in outs)
+    text(sh.run("from maxpost.checkpoint import _drop_closed_loop_tracebacks\n_drop_closed_loop_tracebacks()"))
+    out = text(sh.run("import sys\nsys.excepthook(RuntimeError, RuntimeError('Event loop is closed'), None)\n"
+                      "sys.excepthook(ValueError, ValueError('a real error'), None)\nprint('cell ran')"))
+    assert "cell ran" in out and "Event loop is closed" not in out, out
+    assert "a real error" in out, out      # every other exception is still shown

@@ -498,3 +498,25 @@ def test_check_examples_refuses_a_split_that_is_mostly_dropped(embedded):
     assert check_examples(it.examples, max_target_length=L, what="eval split") == (
         f"eval split: {len(rows)} examples, 0 truncated to max_target_length={L}, 0 dropped (no target left), "
         f"{len(rows)} kept with {tokens} tokens ({targets} targets)")
+
+
+def test_a_chat_tokenizer_without_its_template_warns_in_one_line(tmp_path, capsys):
+    """issue 43 item 5: an instruct model's tokenizer saved without its chat template is evaluated on plain text;
+    loading it says so once (one line on stderr), and a tokenizer with its template says nothing."""
+    import os
+    from maxpost.data import load_tokenizer
+    from maxpost.tasks import build_tokenizer
+    build_tokenizer(tmp_path / "with")
+    tok = load_tokenizer(tmp_path / "with")
+    assert tok.chat_template and "<|im_end|>" in tok.get_vocab()
+    capsys.readouterr()
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path / "without")
+    for f in ("chat_template.jinja", "chat_template.json"):
+        if (tmp_path / "without" / f).exists(): os.remove(tmp_path / "without" / f)
+    plain = load_tokenizer(tmp_path / "without")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert plain.chat_template is None
+    assert len(err) == 1 and err[0].startswith("warning:") and "<|im_end|>" in err[0] and "no chat template" in err[0], err
+    load_tokenizer(tmp_path / "with")
+    assert capsys.readouterr().err == ""

@@ -245,7 +245,7 @@ def test_cli_config_typo_exits_2(tmp_path):
     assert r.returncode == 2 and "unknown key 'bta'" in r.stderr and "'beta'" in r.stderr, r.stderr[-2000:]
     r = subprocess.run(_cli("dpo", tmp_path, "loss_type=dpo"), capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "loss_type='dpo'" in r.stderr and "sigmoid" in r.stderr, r.stderr[-2000:]
-    assert not (tmp_path / "embedded-sigmoid").exists()
+    assert not (tmp_path / "embedded-dpo").exists()
 
 
 def test_papermill_dpo_run_and_a_misspelt_parameter(tmp_path):
@@ -264,3 +264,70 @@ def test_papermill_dpo_run_and_a_misspelt_parameter(tmp_path):
                                         overrides=["train_split=train[:32]", "eval_split=test[:8]"]))
     recs = read_metrics(runs / "pm", "train")
     assert [r["step"] for r in recs] == [1, 2] and "rewards/margins" in recs[-1]
+
+
+# issue 43 item 2: preference data checked whole before the first step; truncation counted as SFT counts it
+def _pairs_file(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+GOOD = [{"prompt": f"What is {i} + 1?", "chosen": f"It is {i + 1}.", "rejected": f"It is {i + 2}."} for i in range(6)]
+
+
+@pytest.mark.parametrize("bad, column, word", [
+    ({"prompt": "2 + 2?", "chosen": "", "rejected": "5"}, "good", "is empty"),
+    ({"prompt": "2 + 2?", "chosen": None, "rejected": "5"}, "good", "is null"),
+    ({"prompt": "2 + 2?", "chosen": "4", "rejected": None}, "bad", "is null"),
+    ({"prompt": "2 + 2?", "chosen": "4", "rejected": "4"}, "good", "is the same as rejected"),   # with a prompt column
+    ({"chosen": "2 + 2 = 4", "rejected": "2 + 2 = 4"}, "good", "is the same as rejected"),        # without one
+    ({"prompt": "2 + 2?", "chosen": [{"role": "assistant", "content": " "}], "rejected": "5"}, "good", "ends with an empty turn"),
+])
+def test_a_bad_pair_anywhere_stops_the_run_before_the_first_step(tok, bad, column, word):
+    """The bad row is the last one, after every batch a short run would draw: it is found when the data is made,
+    in one line naming the row, the column (as the data names it) and the fix."""
+    from maxpost.config import ConfigError
+    from maxpost.dpo import PairData
+    with pytest.raises(ConfigError) as e:
+        PairData([*GOOD, bad], tok, 64, 64, what="train pairs", columns={"chosen": "good", "rejected": "bad"})
+    msg = str(e.value)
+    assert "\n" not in msg and "train pairs, row 6" in msg and f"column {column!r} {word}" in msg, msg
+    assert "drop the row" in msg, msg
+
+
+def test_prompts_cut_to_max_prompt_length_are_counted_and_reported(tok):
+    """Every prompt longer than max_prompt_length is counted (against a count from the tokenizer itself), and the
+    summary line says how many and how to keep them whole."""
+    from maxpost.dpo import PairData
+    rows = [{"prompt": " ".join(["word"] * n), "chosen": "yes", "rejected": "no"} for n in (2, 30, 3, 50, 40)]
+    full = [len(tok(r["prompt"])["input_ids"]) for r in rows]
+    limit = 20
+    data = PairData(rows, tok, limit, 64, what="train pairs")
+    assert data.prompts_truncated == sum(n > limit for n in full) == 3
+    assert data.replies_truncated == 0 and data.longest[0] == max(full)
+    line = data.summary()
+    assert f"3 prompts truncated to max_prompt_length={limit}" in line and "raise max_prompt_length" in line, line
+    assert PairData(rows, tok, 512, 64).prompts_truncated == 0
+    assert PairData(rows, tok, 512, 1).replies_truncated == len(rows)   # every reply has >= 2 tokens with its EOS
+
+
+def test_cli_dpo_bad_row_exits_2_with_one_line(tmp_path):
+    """`maxpost dpo` on a file whose 7th pair has a null chosen reply: exit 2, one line naming the row and column,
+    no traceback, no step trained."""
+    data = _pairs_file(tmp_path / "pairs.jsonl", [*GOOD, {"prompt": "2 + 2?", "chosen": None, "rejected": "5"}])
+    held = _pairs_file(tmp_path / "held.jsonl", GOOD)
+    tasks.build_tokenizer().save_pretrained(tmp_path / "tok")
+    r = subprocess.run(_cli("dpo", tmp_path / "out", f"dataset_name={data}", f"eval_dataset_name={held}", "eval_split=train",
+                            "load_parameters_path=", f"tokenizer_path={tmp_path / 'tok'}", "model_overrides={num_layers: 1}",
+                            "global_batch_size=2", "steps=1", "eval_num_prompts=0"),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "row 6 (counting from 0): column 'chosen' is null" in r.stderr, r.stderr[-3000:]
+    assert not list((tmp_path / "out").glob("*/checkpoints/*"))
+
+
+def test_the_default_dpo_run_directory_names_dpo_not_sigmoid():
+    from maxpost.config import load_config
+    import maxpost.dpo  # noqa: F401  (registers the kind and its run-name resolver)
+    assert load_config("dpo").run_name == "embedded-dpo"
+    assert load_config("dpo", ["loss_type=orpo"]).run_name == "embedded-orpo"
