@@ -24,7 +24,7 @@ def maxpost(*args: str, devices: int | None = None) -> float:
 
 # stage -> (command and its extra keys, the run directory the defaults name)
 STAGES = {"sft": (["sft"], "embedded-sft"), "grpo": (["rl"], "embedded-grpo"),
-          "gspo": (["rl", "loss_algo=gspo"], "embedded-gspo"), "dpo": (["dpo"], "embedded-sigmoid"),
+          "gspo": (["rl", "loss_algo=gspo"], "embedded-gspo"), "dpo": (["dpo"], "embedded-dpo"),
           # asynchronous GRPO (chapter 15c): rollouts one step stale, on 4 of 8 virtual devices of their own
           "grpo-k1": (["rl", "max_staleness=1", "rollout_devices=4", "run_name=embedded-grpo-k1"], "embedded-grpo-k1")}
 DEVICES = {"grpo-k1": 8}   # every other stage runs on what the host gives (1 CPU device unless XLA_FLAGS says more)

@@ -155,8 +155,11 @@ def evaluate(model, tokenizer, examples: Sequence[dict], *, k: int = 8, template
     return out
 
 # %% ../nbs/14_evaluate.ipynb
-def _cell(v) -> str:
+_RATES = ("pass@", "maj@", "format_rate", "truncation_rate", "sample_accuracy", "tool_use")   # shares: in %, as every command prints them
+
+def _cell(v, column: str = "") -> str:
     if isinstance(v, bool) or v is None: return str(v)
+    if isinstance(v, float) and column.startswith(_RATES): return f"{100 * v:.1f} %"
     if isinstance(v, float): return f"{v:.3f}"
     return str(v)
 
@@ -165,7 +168,7 @@ def format_table(results: dict[str, dict]) -> str:
     cols: list[str] = []
     for r in results.values():
         cols += [c for c, v in r.items() if c not in cols and isinstance(v, (int, float)) and not isinstance(v, bool)]
-    rows = [["", *cols]] + [[str(label), *(_cell(r[c]) if c in r else "-" for c in cols)] for label, r in results.items()]
+    rows = [["", *cols]] + [[str(label), *(_cell(r[c], c) if c in r else "-" for c in cols)] for label, r in results.items()]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
              for row in rows]

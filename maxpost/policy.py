@@ -249,6 +249,9 @@ class Setup:
 def setup_run(cfg: RunConfig, *, devices=None, models: dict[str, str] | None = None, announce: bool | None = None) -> Setup:
     "The mesh (over `devices`, default all), the tokenizer and the policy of `cfg` on the mesh, and each model of `models` (name -> checkpoint path, loaded as `load_parameters_path` is); the tokenizer checked against every model. `announce` (default: for a command's config) prints `start_line`."
     from maxpost.data import load_tokenizer
+    from maxpost.sharding import enable_compilation_cache
+    if where := getattr(cfg, "compilation_cache_dir", ""):   # every command (eval too), before its first compilation
+        enable_compilation_cache(None if where == "auto" else where)
     check_inputs(cfg)
     mesh = make_run_mesh(cfg, devices)
     default = None if cfg.dataset_name else tasks.prepare_embedded_task(cfg)["tokenizer"]

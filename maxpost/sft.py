@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     "`maxpost sft [base.yml] key=value ...`: train, then greedy pass@1 on held-out problems (`held_out_after_sft`), then the summary."
     cfg = command_config("sft", argv)
     out = train_sft(cfg)
-    res = held_out_after_sft(cfg)
+    res = None if out.get("already_finished") else held_out_after_sft(cfg)   # a finished run was checked when it finished
     if res: out |= {"held_out_pass@1": res["pass@1"], "held_out_format_rate": res["format_rate"]}
     print_summary(out, cfg)
     if res: print(f"held-out ({res['num_prompts']} problems) after SFT: pass@1 {100 * res['pass@1']:.1f} %, "

@@ -14,10 +14,10 @@ from omegaconf import OmegaConf
 
 from .config import (RunConfig, TrainConfig, ConfigError, REMAT_POLICIES, derived_defaults, effective_config,
                             kind_of, resumable_keys, run_dir, to_yaml)
-from .checkpoint import checkpoint_manager, save_limit_gb, save_state, restore_state
+from .checkpoint import checkpoint_manager, save_limit_gb, save_state, restore_state, checkpoint_size, describe_size
 from .policy import (Setup, TrainableWeights, command_config, model_options, read_model_config, set_model_options,
                             setup_run, trainable_weights)
-from .rundir import RunLock, MetricsLogger, as_scalar
+from .rundir import RunLock, MetricsLogger, as_scalar, read_metrics
 from .sharding import enable_compilation_cache
 
 # %% auto 0
@@ -433,6 +433,21 @@ def _resume(tr: Trainer, ckpts: RunCheckpoints) -> None:
     tr.weights.check_restore(meta, ckpts.dir / "checkpoints")
     tr.restore_data(meta["data"]); tr.step = tr.latest_checkpoint = int(meta["step"])
     tr.after_restore()
+    if jax.process_index() == 0 and tr.step < tr.cfg.steps:
+        print(f"resuming from step {tr.step} of {tr.cfg.steps} ({ckpts.dir / 'checkpoints' / str(tr.step)})",
+              file=sys.stderr, flush=True)
+
+def _finished(tr: Trainer) -> dict:
+    "What a run that already reached `steps` reports when it is started again: its last records, nothing redone."
+    d = run_dir(tr.cfg)
+    if jax.process_index() == 0:
+        print(f"{tr.kind} run {d} is already finished (step {tr.step} of {tr.cfg.steps}): nothing to do. To evaluate it "
+              f"again: maxpost eval load_parameters_path={d}; to train further: steps= more than {tr.step}; to start "
+              "over: a new run_name", file=sys.stderr, flush=True)
+    last = (read_metrics(d, "train") or [{}])[-1]
+    final = next((r for r in reversed(read_metrics(d, "eval")) if r["step"] == tr.step), {})
+    return {"step": tr.step, **{k: last[k] for k in tr.summary_keys if k in last},
+            **{k: v for k, v in final.items() if k not in ("step", "kind")}, "already_finished": True}
 
 def _throughput(tr: Trainer, tokens: float, seconds: float, steps: int) -> dict:
     out = {"learning_rate": float(tr.schedule(tr.step - 1))}
@@ -529,6 +544,9 @@ def _fit(tr: Trainer, progress: bool) -> dict:
     cfg, where, clock = tr.cfg, run_dir(tr.cfg) / "checkpoints", tr.clock
     ckpts = RunCheckpoints(cfg, tr.model_cfg, tr.tok_dir, save_concurrent_gb=save_limit_gb(tr.params, tr.opt_state))
     _resume(tr, ckpts)
+    if tr.latest_checkpoint is not None and tr.step >= cfg.steps:   # a finished run: nothing to train or evaluate again
+        ckpts.close(); tr.close()
+        return _finished(tr)
     log = MetricsLogger(run_dir(cfg), cfg.steps, tr.step, desc=f"{tr.kind} {cfg.run_name}", progress=progress,
                         show=tr.progress_keys)
     pending = []        # (step, loss, params_finite) still on the device: fetched and checked before anything is written
@@ -622,10 +640,12 @@ class Prefetcher:
 # %% ../nbs/08_train.ipynb
 def print_summary(out: dict, cfg: RunConfig, *lines: str | None) -> None:
     "One line of final metrics, then the kind's own `lines` (those that are not None), then where the run wrote."
-    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in out.items() if k != "kind"))
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in out.items() if k not in ("kind", "already_finished")))
     for line in lines:
         if line: print(line)
-    print(f"run directory: {run_dir(cfg)}")
+    d = run_dir(cfg)
+    size = f" (its newest checkpoint: {describe_size(checkpoint_size(d))} on disk)" if (d / "checkpoints").is_dir() else ""
+    print(f"run directory: {d}{size}")
 
 def train_command(kind, argv=None, *, report=None) -> int:
     "`maxpost <kind> [base.yml] key=value ...` for a training kind: its config, its trainer's `fit`, the summary with the lines `report(cfg, out)` returns; exit code 0."

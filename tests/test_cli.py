@@ -23,7 +23,7 @@ def cli(*args, cwd=None, env=None, block_torch=False, timeout=600):
 
 def one_line_error(r, code=2):
     "The one line a refused command printed (asserting that it is one line and that the exit code is `code`)."
-    lines = r.stderr.strip().splitlines()
+    lines = [l for l in r.stderr.strip().splitlines() if not l.startswith("start: ")]   # issue 43 item 3: the start line
     assert r.returncode == code and len(lines) == 1 and "Traceback" not in r.stderr, (r.returncode, r.stderr[-3000:])
     return lines[0]
 

@@ -262,7 +262,9 @@ def test_format_table_aligns_rows_and_columns():
     t = format_table({"a": {"pass@1": 0.25, "maj@8": 0.5, "completions": []}, "longer-label": {"pass@1": 1.0, "n": 3}})
     lines = t.splitlines()
     assert lines[0].split() == ["pass@1", "maj@8", "n"]
-    assert lines[2].split() == ["a", "0.250", "0.500", "-"] and lines[3].split() == ["longer-label", "1.000", "-", "3"]
+    assert lines[2].split() == ["a", "25.0", "%", "50.0", "%", "-"]                      # shares in % (issue 43 item 8)
+    assert lines[3].split() == ["longer-label", "100.0", "%", "-", "3"]
+    assert format_table({"a": {"kl": 0.25}}).splitlines()[2].split() == ["a", "0.250"]    # other floats stay as they are
     assert len({len(l) for l in lines}) == 1
 
 

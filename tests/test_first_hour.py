@@ -100,3 +100,27 @@ def test_an_output_directory_that_cannot_be_written_is_one_line(tmp_path, kind):
                               *extra))
     assert f"base_output_directory='{blocker}/runs' cannot be written" in line, line
     assert "give base_output_directory= a directory you can write to" in line, line
+
+
+def test_a_resume_names_its_step_and_a_finished_run_is_not_redone(tmp_path):
+    """Issue 43 items 5 and 8: a resumed run says "resuming from step N of M"; starting a finished run again trains and
+    evaluates nothing (its metrics and held-out records are untouched) and says how to evaluate it again; the end line
+    gives the newest checkpoint's size on disk."""
+    tiny = [f"base_output_directory={tmp_path}", "run_name=r", "train_split=train[:64]", "eval_split=test[:16]",
+            "global_batch_size=8", "max_target_length=96", "eval_batches=1", "eval_num_prompts=4", "log_period=1"]
+    first = cli("sft", *tiny, "steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = tmp_path / "r"
+    size = files_bytes(run / "checkpoints" / "2") / 2**20
+    assert f"run directory: {run} (its newest checkpoint: {size:.1f} MiB on disk)" in first.stdout, first.stdout
+    records = (run / "metrics.jsonl").read_text()
+    held_out = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "eval-r").rglob("*") if p.is_file())
+    again = cli("sft", *tiny, "steps=2")
+    assert again.returncode == 0 and "is already finished (step 2 of 2): nothing to do" in again.stderr, again.stderr[-2000:]
+    assert f"maxpost eval load_parameters_path={run}" in again.stderr
+    assert (run / "metrics.jsonl").read_text() == records                                  # nothing trained or logged
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "eval-r").rglob("*") if p.is_file()) == held_out
+    assert "already_finished" not in again.stdout and "step=2" in again.stdout
+    more = cli("sft", *tiny, "steps=3")
+    assert more.returncode == 0 and f"resuming from step 2 of 3 ({run / 'checkpoints' / '2'})" in more.stderr, more.stderr[-2000:]
+    assert "already finished" not in more.stderr
