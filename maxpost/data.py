@@ -15,10 +15,10 @@ import numpy as np
 from .config import ConfigError
 
 # %% auto 0
-__all__ = ['FORMATS', 'DATA_FORMATS', 'TRAIN_ON', 'CHAT_ROLES', 'load_tokenizer', 'warn_missing_template', 'detect_format',
-           'dataset_splits', 'load_dataset_split', 'same_rows', 'assistant_spans', 'encode_chat', 'show_mask',
-           'encode_example', 'Examples', 'tokenize_dataset', 'check_examples', 'pack_best_fit', 'make_rows',
-           'padding_fraction', 'BatchIterator', 'make_sft_iterator', 'encode_prompt', 'PromptIterator']
+__all__ = ['END_OF_TURN_TOKENS', 'FORMATS', 'DATA_FORMATS', 'TRAIN_ON', 'CHAT_ROLES', 'load_tokenizer', 'warn_missing_template',
+           'detect_format', 'dataset_splits', 'load_dataset_split', 'same_rows', 'assistant_spans', 'encode_chat',
+           'show_mask', 'encode_example', 'Examples', 'tokenize_dataset', 'check_examples', 'pack_best_fit',
+           'make_rows', 'padding_fraction', 'BatchIterator', 'make_sft_iterator', 'encode_prompt', 'PromptIterator']
 
 # %% ../nbs/04_data.ipynb
 _VOCAB_FILES = ("tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "tokenizer.tiktoken")  # slow tokenizers'
@@ -50,9 +50,10 @@ def load_tokenizer(path: str | Path, *, chat_template: str | None = None):
     return tok
 
 # %% ../nbs/04_data.ipynb
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")   # where a chat model's turn ends (ChatML, Llama 3, Gemma)
+
 def warn_missing_template(tokenizer, where) -> bool:
     "Print one warning line when `tokenizer` knows a chat model's end-of-turn token but has no chat template (prompts would be plain text); whether it warned."
-    from maxpost.prompts import END_OF_TURN_TOKENS
     if getattr(tokenizer, "chat_template", None): return False
     turns = [t for t in END_OF_TURN_TOKENS if t in tokenizer.get_vocab()]
     if not turns: return False

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from . import tasks
 
 # %% auto 0
-__all__ = ['PROMPT_TEMPLATES', 'END_OF_TURN_TOKENS', 'template_messages', 'render_prompt', 'prompt_token_ids', 'stop_token_ids']
+__all__ = ['PROMPT_TEMPLATES', 'template_messages', 'render_prompt', 'prompt_token_ids', 'stop_token_ids']
 
 # %% ../nbs/06_prompts.ipynb
 PROMPT_TEMPLATES: dict[str, str | None] = {
@@ -47,7 +47,7 @@ def prompt_token_ids(tokenizer, questions: Sequence[str], template: str = "gsm8k
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=add)["input_ids"]]
 
 # %% ../nbs/06_prompts.ipynb
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
+from .data import END_OF_TURN_TOKENS   # (chapter 04: where a chat model's turn ends)
 
 def stop_token_ids(tokenizer) -> list[int]:
     "The ids generation stops at: the EOS token, plus the end-of-turn tokens the tokenizer knows."
