@@ -203,6 +203,9 @@ def test_every_rl_key_is_read_by_the_run(tmp_path):
                                  "max_completion_length=8", "environment=calculator", "max_turns=2",
                                  "max_turn_tokens=6", "max_episode_tokens=16"], base=None)
     assert RLTrainer(ecfg).fit(progress=False)["step"] == 1
+    # embedded_task is read where the data is the embedded task (dataset_name=""): which variant's files it uses
+    from maxpost.tasks import embedded_task_dir
+    embedded_task_dir(load_config(Tracked, [f"base_output_directory={tmp_path}", "run_name=walk_task", "embedded_task=calculator"], base=None))
     # lora_dropout: only 0 is accepted; load_adapter_path: refused without lora_rank, read when adapters are
     # attached (tests/test_lora.py starts a run's adapters from a peft directory with it)
     refused = {"lora_dropout", "load_adapter_path"}
