@@ -134,6 +134,9 @@ class RunConfig:
         # an empty run_name passes where it is the class's default: that command names its own directory
         empty_ok = next(f.default for f in fields(self) if f.name == "run_name") == ""
         if self.run_name != MISSING and (p := check_run_name(self.run_name, empty_ok=empty_ok)): out.append(p)
+        if self.embedded_task != "default" and self.dataset_name:   # the variant names files of the embedded task only
+            out.append(f"embedded_task={self.embedded_task!r} applies to the embedded task, not to dataset_name="
+                       f"{self.dataset_name!r}: drop one of the two")
         return out
 
 
