@@ -376,6 +376,10 @@ class _OrbaxUnretrieved(logging.Filter):
         msg = record.getMessage()
         return not ("exception was never retrieved" in msg.split("\n", 1)[0] and "orbax" in msg)
 
+class _OrbaxThreadFailure(logging.Filter):
+    "Drops Orbax's traceback of a writer thread that failed: the thread keeps the exception and `wait_until_finished` raises it (our `CheckpointError`); a thread still failing after that was raised would log it after the level is back."
+    def filter(self, record) -> bool: return "_SignalingThread.run() raised an exception" not in str(record.msg)
+
 _ABSL = {"saves": 0, "level": logging.NOTSET}   # saves in flight, and the absl level to restore when none is
 
 def _quiet_orbax() -> None:
@@ -384,6 +388,7 @@ def _quiet_orbax() -> None:
     aio = logging.getLogger("asyncio")
     if not any(isinstance(f, _OrbaxUnretrieved) for f in aio.filters): aio.addFilter(_OrbaxUnretrieved())
     absl = logging.getLogger("absl")
+    if not any(isinstance(f, _OrbaxThreadFailure) for f in absl.filters): absl.addFilter(_OrbaxThreadFailure())
     if _ABSL["saves"] == 0: _ABSL["level"] = absl.level
     _ABSL["saves"] += 1
     absl.setLevel(logging.CRITICAL)
