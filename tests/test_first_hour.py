@@ -1,7 +1,7 @@
 """Issue 43, items 3 and 5: what a newcomer's first commands say before they work. A run on your own data does not
 quietly start from the embedded task's toy checkpoint; every command names where it starts (the checkpoint, its
 size on disk, the run directory); an output directory that cannot be written is one line with exit 2."""
-import json, os, subprocess, sys
+import json, os, shlex, subprocess, sys
 from pathlib import Path
 
 import pytest
@@ -124,3 +124,34 @@ def test_a_resume_names_its_step_and_a_finished_run_is_not_redone(tmp_path):
     more = cli("sft", *tiny, "steps=3")
     assert more.returncode == 0 and f"resuming from step 2 of 3 ({run / 'checkpoints' / '2'})" in more.stderr, more.stderr[-2000:]
     assert "already finished" not in more.stderr
+
+
+def readme_block(marker: str) -> list[str]:
+    "The indented command lines right after `<!-- marker -->` in README.md (comments after `#` dropped)."
+    lines = (ROOT / "README.md").read_text().split(f"<!-- {marker} -->\n", 1)[1].splitlines()
+    block = [l for l in lines[:next((i for i, l in enumerate(lines) if l and not l.startswith("    ")), len(lines))] if l]
+    return [shlex.split(l, comments=True) for l in block]
+
+
+def test_readme_real_model_lines_make_smollm2_ready_and_run_five_steps():
+    """Issue 43's Done-when: the README's real-model lines, pasted in the main job's venv, install the extras that
+    exist, run the setup script that writes the recipe's model directory, and run the recipe for 5 steps (a first
+    look) under its own run name, so the table's run (the recipe alone) starts fresh, not from the look's step 5."""
+    import configparser, importlib.util
+    from maxpost.config import load_config, split_base
+    setup_line, *runs = readme_block("real-model")
+    extras = setup_line[setup_line.index("install") + 2].removeprefix("-e").strip()
+    assert setup_line[:2] == [".venv/bin/pip", "install"] and extras.startswith(".[") and extras.endswith("]"), setup_line
+    ini = configparser.ConfigParser(); ini.read(ROOT / "settings.ini")
+    for extra in extras[2:-1].split(","):
+        assert ini["DEFAULT"].get(f"{extra.replace('-', '_')}_requirements"), f"README names extra {extra!r}: not in settings.ini"
+    script = setup_line[setup_line.index("&&") + 2]
+    assert setup_line[setup_line.index("&&") + 1] == ".venv/bin/python" and (ROOT / script).exists(), setup_line
+    spec = importlib.util.spec_from_file_location("real_model_setup", ROOT / script)
+    setup = importlib.util.module_from_spec(spec); spec.loader.exec_module(setup)
+    assert [r[:2] for r in runs] == [[".venv/bin/maxpost", "rl"]], runs      # one run: pasting the block is the look
+    base, overrides = split_base(runs[0][2:])
+    look, full = load_config("rl", overrides, base=ROOT / base), load_config("rl", [], base=ROOT / base)
+    assert look.steps == 5 and look.run_name != full.run_name, (look.steps, look.run_name)
+    assert ROOT / look.load_parameters_path == setup.DEFAULT_DEST                # what the setup writes is what runs
+    assert look.eval_num_prompts == full.eval_num_prompts == 128                # the look evaluates as the table does
