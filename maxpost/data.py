@@ -5,7 +5,7 @@
 # %% ../nbs/04_data.ipynb 4
 from __future__ import annotations
 
-import bisect, codecs, glob, hashlib, json, os, re, shutil, socket, sys, warnings
+import bisect, codecs, contextlib, glob, hashlib, json, os, re, shutil, socket, sys, types, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -469,7 +469,16 @@ def _encode_all(dataset, tokenizer, fmt: str, max_target_length: int, train_on: 
     # forkserver: the workers do not inherit the threads of JAX (a fork of a threaded process can deadlock)
     with concurrent.futures.ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("forkserver"),
                                                 initializer=quiet) as pool:
-        return list(pool.map(work, jobs))
+        with _main_left_behind(): futures = [pool.submit(work, j) for j in jobs]   # the workers start here
+        return [f.result() for f in futures]
+
+@contextlib.contextmanager
+def _main_left_behind():
+    "While worker processes start: they do not import the caller's `__main__` (Python's default), which would run a script without an `if __name__ == \"__main__\"` guard again in each worker (and import the CLI with JAX, seconds each); `_encode_shard` needs `maxpost.data` only."
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try: yield
+    finally: sys.modules["__main__"] = main
 
 
 # %% ../nbs/04_data.ipynb

@@ -189,3 +189,29 @@ def test_a_second_sft_run_reads_the_examples_from_the_cache(tmp_path):
     r = subprocess.run(cmd("b"), env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "train split: 256 examples, 99 truncated" in r.stderr, r.stderr[-3000:]
+
+
+def test_a_script_without_a_main_guard_tokenizes_in_processes_and_runs_once(toks, tmp_path):
+    """A user's script that calls maxpost at module level (no `if __name__ == "__main__":`) used to be imported again
+    by each worker process, which started its own pool there and broke the run (BrokenProcessPool); the workers now
+    leave `__main__` behind: the script runs once and the two processes give the one-process arrays."""
+    rows, tok_dir = _conversations(120), tmp_path / "tok"
+    toks["spans"].save_pretrained(tok_dir)
+    _write_jsonl(tmp_path / "rows.jsonl", rows)
+    script = tmp_path / "user_script.py"
+    script.write_text(f"""
+import json, numpy as np
+from maxpost.data import load_tokenizer, tokenize_dataset
+print("script body runs")
+rows = [json.loads(l) for l in open({str(tmp_path / "rows.jsonl")!r})]
+tok = load_tokenizer({str(tok_dir)!r})
+two = tokenize_dataset(rows, tok, max_target_length=96, num_proc=2, cache_dir=False)
+one = tokenize_dataset(rows, tok, max_target_length=96, num_proc=1, cache_dir=False)
+assert np.array_equal(two.tokens, one.tokens) and np.array_equal(two.loss_mask, one.loss_mask)
+assert np.array_equal(two.offsets, one.offsets) and len(one) > 100
+print("same arrays")
+""")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("script body runs") == 1 and "same arrays" in r.stdout, r.stdout
