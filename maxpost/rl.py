@@ -279,7 +279,7 @@ class RLTrainer(Trainer):
             raise ConfigError(f"max_staleness={cfg.max_staleness} needs maxpost.async_rl.AsyncRLTrainer (what `maxpost rl` "
                               "runs); RLTrainer is the synchronous loop (max_staleness=0)")
         super().__init__(cfg, setup)
-        check_held_out(cfg)
+        with self.clock("data"): check_held_out(cfg)
         G, B, A = cfg.num_generations, cfg.global_batch_size, cfg.gradient_accumulation_steps
         self.mini_batch = cfg.mini_batch_size or B
         self.updates_per_step = cfg.num_iterations * (B // self.mini_batch)
@@ -293,8 +293,9 @@ class RLTrainer(Trainer):
         if cfg.reward_isolation == "process": start_reward_workers(self.rewards)   # they boot while the rest loads
         correctness = any(s.fn is correctness_reward for s in self.rewards)
         self.environment = environment_factory(cfg.environment) if cfg.environment else None   # episodes: one per call
-        self.prompts = PromptIterator(load_examples(cfg, cfg.train_split, check_gold=correctness), seed=cfg.seed)
-        self.eval_examples = load_eval_examples(cfg)
+        with self.clock("data"):
+            self.prompts = PromptIterator(load_examples(cfg, cfg.train_split, check_gold=correctness), seed=cfg.seed)
+            self.eval_examples = load_eval_examples(cfg)
         self.build_steps()
         self.engine = engine if engine is not None else make_engine(cfg, self.model, self.tokenizer)
         self.sampling = sampling_options(cfg, self.tokenizer)

@@ -481,6 +481,7 @@ class _Timing:
             if timed: jax.block_until_ready(tr.params); t0, c0 = time.perf_counter(), sum(clock.parts.values())
             m = tr.train_step()
             if timed: jax.block_until_ready(m); self.device = time.perf_counter() - t0 - (sum(clock.parts.values()) - c0)
+            if self.first is None: self.first_run = (time.time() - (time.perf_counter() - t0), sum(clock.parts.values()) - c0)
             pending.append((tr.step + 1, m["loss"], m.pop("params_finite", True)))
             tr.step += 1; self.tokens += m.pop("num_tokens", 0); self.steps += 1
         if self.first is None: self.first, self.includes_first = _first_step(self, time.time()), True
@@ -524,6 +525,9 @@ def _first_step(self: _Timing, end: float) -> dict:
     out = {"startup": tr.started - start, "data": own("data"), "weights": own("weights"),
            "compile": w.seconds(tr.started, end), "compiles": w.programs(tr.started, end),
            "memory_check": own("memory_check"), "first_eval": own("eval"), "total": end - start}
+    began, inner = self.first_run                     # the first step's own run: its wall, less its compilation and
+    out["first_run"] = end - began - inner - w.seconds(began, end)   # the parts clocked inside it (memory check, input)
+    out["first_run"] += parts.get("input", 0.0)       # its input is part of its run
     out["other"] = out["total"] - sum(v for k, v in out.items() if k not in ("compiles", "total"))
     return out
 

@@ -215,3 +215,30 @@ print("same arrays")
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("script body runs") == 1 and "same arrays" in r.stdout, r.stdout
+
+
+def test_a_tokenizer_without_a_class_of_its_own_loads_as_autotokenizer_would_without_importing_it(toks, tmp_path):
+    """A directory whose tokenizer_config.json names the generic fast tokenizer (maxpost's embedded one, a GGUF
+    conversion) loads as that class directly: importing AutoTokenizer reads every model family's configuration, seconds
+    of every command's start. The tokenizer is AutoTokenizer's in every respect a run uses."""
+    d = tmp_path / "tok"
+    toks["spans"].save_pretrained(d)
+    code = f"""
+import sys
+from maxpost.data import load_tokenizer
+tok = load_tokenizer({str(d)!r})
+print("auto imported" if "transformers.models.auto.tokenization_auto" in sys.modules else "auto not imported")
+from transformers import AutoTokenizer
+ref = AutoTokenizer.from_pretrained({str(d)!r})
+chat = [{{"role": "user", "content": "café 東京 48/2 = 24"}}, {{"role": "assistant", "content": "#### 72"}}]
+assert type(tok) is type(ref), (type(tok), type(ref))
+assert tok.apply_chat_template(chat, tokenize=False) == ref.apply_chat_template(chat, tokenize=False)
+assert tok("the capital 😀 of France")["input_ids"] == ref("the capital 😀 of France")["input_ids"]
+assert (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id, tok.padding_side, tok.special_tokens_map) == \\
+       (ref.eos_token_id, ref.pad_token_id, ref.bos_token_id, ref.padding_side, ref.special_tokens_map)
+print("same tokenizer")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT)), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["auto", "not", "imported", "same", "tokenizer"], r.stdout
