@@ -74,10 +74,14 @@ def read_model_config(run: Path) -> mm.ModelConfig:
     return mm.ModelConfig(**json.loads((Path(run) / "model_config.json").read_text()))
 
 # %% ../nbs/07b_policy.ipynb
-def _restore_params(run: Path, step: int | None, model: nnx.Module) -> None:
-    "Write the parameters of checkpoint `step` (default: the newest) of `run` into `model`, in its shards."
-    restored, _, _ = restore_state(checkpoint_manager(run / "checkpoints"), nnx.state(model, nnx.Param), step=step)
-    nnx.update(model, restored)
+def _restored_model(run: Path, step: int | None, mcfg: mm.ModelConfig, mesh) -> nnx.Module:
+    "The model `mcfg` describes with the parameters of checkpoint `step` (default: the newest) of `run`, read straight into their shards on `mesh`: no random weights are made first (their program and their memory)."
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: mm.Decoder(mcfg, rngs=nnx.Rngs(0))))
+    where = (sharding.param_shardings(state, mesh) if mesh is not None else
+             jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), state))
+    target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, where)
+    restored, _, _ = restore_state(checkpoint_manager(run / "checkpoints"), target, step=step)
+    return nnx.merge(graphdef, restored)
 
 def load_policy(cfg: RunConfig, mesh) -> nnx.Module:
     "The initial policy: from `load_parameters_path` (maxpost run, Hugging Face or MaxText checkpoint) or a random preset."
@@ -105,9 +109,7 @@ def load_policy(cfg: RunConfig, mesh) -> nnx.Module:
         raise ConfigError(f"load_parameters_path={path!r} is no checkpoint maxpost reads; give "
                           f"{describe_checkpoint_kinds()}") from None
     if lora_run_config(run) is not None: return load_lora_run(run, step, cfg, mesh)   # adapters + their base
-    model = mm.create_model(dataclasses.replace(read_model_config(run), **opts), seed=0, mesh=mesh)
-    _restore_params(run, step, model)   # the random weights above are overwritten in their shards
-    return model
+    return _restored_model(run, step, dataclasses.replace(read_model_config(run), **opts), mesh)
 
 # %% ../nbs/07b_policy.ipynb
 def lora_options(cfg: TrainConfig) -> dict | None:
