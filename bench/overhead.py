@@ -148,12 +148,15 @@ def summarize(kind: str, launched: dict, run_dir: Path) -> dict:
     return row
 
 
-def run_checkout(checkout: Path, quick: bool, work: Path, timeout: float) -> list[dict]:
-    "Every kind once, in order (sft first: the others load its checkpoint), into a fresh directory under `work`."
+def run_checkout(checkout: Path, quick: bool, work: Path, timeout: float, cold: bool = False) -> list[dict]:
+    """Every kind once, in order (sft first: the others load its checkpoint), into a fresh directory under `work`;
+    `cold`: with a maxpost cache directory of their own (compiled programs, tokenized data), empty at the start."""
     base = Path(tempfile.mkdtemp(prefix="ovh-", dir=work))
+    env = dict(os.environ, MAXPOST_CACHE_DIR=str(base / "cache")) if cold else None
     rows = []
     for kind in KINDS:
-        launched = launch(checkout, [kind, *command_args(kind, base, quick)], base / f"ovh-{kind}", base / f"{kind}.log", timeout)
+        launched = launch(checkout, [kind, *command_args(kind, base, quick)], base / f"ovh-{kind}", base / f"{kind}.log",
+                          timeout, env)
         rows.append(summarize(kind, launched, base / f"ovh-{kind}"))
         print(json.dumps({"checkout": str(checkout), **{k: v for k, v in rows[-1].items() if v is not None}}), flush=True)
     return rows
@@ -207,6 +210,8 @@ def main(argv=None) -> int:
     p.add_argument("--after", type=Path, default=ROOT, help="the checkout measured (default: this one)")
     p.add_argument("--rounds", type=int, default=1, help="rounds; with --before the checkouts alternate each round")
     p.add_argument("--timeout", type=float, default=600, help="seconds per command before it is stopped")
+    p.add_argument("--cold-cache", action="store_true", help="each round starts from an empty maxpost cache (a first "
+                   "run: every program compiled, the data tokenized); default: the user's cache as it is")
     p.add_argument("--keep", action="store_true", help="keep the run directories and logs (their path is printed)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "overhead.json")
     a = p.parse_args(argv)
@@ -218,7 +223,7 @@ def main(argv=None) -> int:
         for r in range(a.rounds):
             for name, checkout in checkouts.items():      # interleaved: before, after, before, after, ...
                 print(f"round {r + 1}/{a.rounds} {name or checkout}", flush=True)
-                rounds[name].append(run_checkout(checkout, a.quick, work, a.timeout))
+                rounds[name].append(run_checkout(checkout, a.quick, work, a.timeout, a.cold_cache))
     finally:
         if a.keep: print(f"runs and logs kept in {work}")
         else: shutil.rmtree(work, ignore_errors=True)
@@ -226,7 +231,7 @@ def main(argv=None) -> int:
     text = table([(f"{r['kind']} {name}".strip(), r) for rows in zip(*medians.values()) for name, r in zip(medians, rows)])
     print(f"\n{text}\n\n{a.rounds} round(s), median per command; {time.perf_counter() - t0:.0f} s in all")
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"argv": sys.argv[1:], "quick": a.quick, "rounds": a.rounds,
+    a.out.write_text(json.dumps({"argv": sys.argv[1:], "quick": a.quick, "rounds": a.rounds, "cold_cache": a.cold_cache,
                                  "checkouts": {k: str(v) for k, v in checkouts.items()},
                                  "median": medians, "all_rounds": rounds, "table": text}, indent=1))
     print(f"written: {a.out}")

@@ -21,9 +21,9 @@ from .lora import adapters_off, save_merged_hf, save_adapter
 __all__ = ['INPUT_KEYS', 'make_run_mesh', 'model_options', 'set_model_options', 'model_config_for', 'is_hf_dir',
            'find_run_checkpoint', 'read_model_config', 'load_policy', 'lora_options', 'attach_adapters',
            'check_lora_base', 'adapter_base', 'lora_run_config', 'load_lora_run', 'tokenizer_dir', 'check_vocab',
-           'missing_inputs', 'check_inputs', 'start_line', 'Setup', 'setup_run', 'given_explicitly',
-           'default_start_problem', 'output_problem', 'command_config', 'TrainableWeights', 'FullWeights',
-           'LoRAWeights', 'trainable_weights']
+           'missing_inputs', 'check_inputs', 'start_line', 'Setup', 'use_compilation_cache', 'setup_run',
+           'given_explicitly', 'default_start_problem', 'output_problem', 'command_config', 'TrainableWeights',
+           'FullWeights', 'LoRAWeights', 'trainable_weights']
 
 # %% ../nbs/07b_policy.ipynb
 def make_run_mesh(cfg: RunConfig, devices=None) -> jax.sharding.Mesh:
@@ -248,12 +248,16 @@ class Setup:
         "The policy."
         return self.models["policy"]
 
+def use_compilation_cache(cfg: RunConfig) -> Path | None:
+    "JAX's persistent compilation cache where `cfg.compilation_cache_dir` says (`auto`: JAX's own setting, else the user cache directory; \"\": off); the directory, or None."
+    where = getattr(cfg, "compilation_cache_dir", "")
+    if not where: return None
+    return sharding.enable_compilation_cache(None if where == "auto" else where)
+
 def setup_run(cfg: RunConfig, *, devices=None, models: dict[str, str] | None = None, announce: bool | None = None) -> Setup:
     "The mesh (over `devices`, default all), the tokenizer and the policy of `cfg` on the mesh, and each model of `models` (name -> checkpoint path, loaded as `load_parameters_path` is); the tokenizer checked against every model. `announce` (default: for a command's config) prints `start_line`."
     from maxpost.data import load_tokenizer
-    from maxpost.sharding import enable_compilation_cache
-    if where := getattr(cfg, "compilation_cache_dir", ""):   # every command (eval too), before its first compilation
-        enable_compilation_cache(None if where == "auto" else where)
+    use_compilation_cache(cfg)   # every command (eval too), before its first compilation
     check_inputs(cfg)
     mesh = make_run_mesh(cfg, devices)
     default = None if cfg.dataset_name else tasks.prepare_embedded_task(cfg)["tokenizer"]

@@ -16,16 +16,15 @@ from .config import (RunConfig, TrainConfig, ConfigError, REMAT_POLICIES, derive
                             kind_of, resumable_keys, run_dir, to_yaml)
 from .checkpoint import checkpoint_manager, save_limit_gb, save_state, restore_state, checkpoint_size, describe_size
 from .policy import (Setup, TrainableWeights, command_config, model_options, read_model_config, set_model_options,
-                            setup_run, trainable_weights)
+                            setup_run, trainable_weights, use_compilation_cache)
 from .rundir import RunLock, MetricsLogger, as_scalar, read_metrics
-from .sharding import enable_compilation_cache
 
 # %% auto 0
 __all__ = ['PEAK_BF16_FLOPS', 'make_schedule', 'make_optimizer', 'on_mesh', 'init_opt_state', 'check_finite', 'config_changes',
            'check_resume', 'precheck_run_dir', 'RunCheckpoints', 'StopSignal', 'RunStopped', 'flops_per_token',
            'device_peak_flops', 'StepCompiler', 'memory_needed', 'device_memory', 'MemoryShortfall', 'check_memory',
-           'Clock', 'CompileWatch', 'compile_watch', 'use_compilation_cache', 'process_start_time', 'Trainer',
-           'timing_lines', 'Prefetcher', 'print_summary', 'train_command']
+           'Clock', 'CompileWatch', 'compile_watch', 'process_start_time', 'Trainer', 'timing_lines', 'Prefetcher',
+           'print_summary', 'train_command']
 
 # %% ../nbs/08_train.ipynb
 def make_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -337,12 +336,6 @@ def compile_watch() -> CompileWatch:
     return _WATCH[0]
 
 # %% ../nbs/08_train.ipynb
-def use_compilation_cache(cfg: RunConfig) -> Path | None:
-    "JAX's persistent compilation cache where `cfg.compilation_cache_dir` says (`auto`: JAX's own setting, else the user cache directory; \"\": off); the directory, or None."
-    where = getattr(cfg, "compilation_cache_dir", "")
-    if not where: return None
-    return enable_compilation_cache(None if where == "auto" else where)
-
 def process_start_time() -> float:
     "When this process started (`time.time()` scale, to 10 ms on Linux): imports and start-up included."
     try:
