@@ -4,7 +4,7 @@
 
 # %% ../nbs/15_rl.ipynb 4
 from __future__ import annotations
-import time
+import contextlib, threading, time
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
@@ -331,9 +331,11 @@ class RLTrainer(Trainer):
                                              **self.sampling, seed=cfg.seed * 1_000_003 + index)
         t_roll = time.perf_counter() - t0
         columns = {k: [e[k] for e in examples for _ in range(G)] for k in examples[0] if k != "question"}
-        total, _, reward_metrics = compute_rewards(self.rewards, [e["question"] for e in examples for _ in range(G)],
-                                                   r.text, columns, timeout_s=cfg.reward_timeout_s,
-                                                   isolation=cfg.reward_isolation)
+        # a part of the step's wall time of its own (`timing/rewards`), when the loop's thread runs the rollout
+        with self.clock("rewards") if threading.current_thread() is threading.main_thread() else contextlib.nullcontext():
+            total, _, reward_metrics = compute_rewards(self.rewards, [e["question"] for e in examples for _ in range(G)],
+                                                       r.text, columns, timeout_s=cfg.reward_timeout_s,
+                                                       isolation=cfg.reward_isolation)
         adv = np.asarray(group_advantages(jnp.asarray(total), G, scale=cfg.advantage_scale), np.float32)
         batch = dict(prompt_ids=r.prompt_ids, prompt_mask=r.prompt_mask, completion_ids=r.completion_ids,
                      completion_mask=r.completion_mask, advantages=adv)

@@ -149,3 +149,23 @@ def test_a_rerun_of_the_same_command_compiles_nothing(tmp_path):
     assert second["compiled"] == 0 and second["hits"] >= first["compiled"] and t2["first_step"]["compiles"] == 0, second
     off, _ = run("c", "")                              # compilation_cache_dir= : no cache, everything compiled again
     assert off["compiled"] == first["compiled"] and off["hits"] == 0, off
+
+
+def test_rl_rewards_are_a_part_of_the_step_of_their_own(tmp_path):
+    """An RL step's reward scoring is its own part (`timing/rewards`), out of `device`: a reward that takes 0.3 s shows
+    there, and the parts still add up to the wall step."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from rewards_for_tests import slow_length_reward
+    from maxpost.rl import RLTrainer
+    cfg = load_config("rl", [f"base_output_directory={tmp_path}", "run_name=t", "load_parameters_path=", "model_name=tiny",
+                             "global_batch_size=8", "num_generations=4", "mini_batch_size=0", "max_prompt_length=64", "max_completion_length=8",
+                             "eval_interval=0", "eval_num_prompts=0", "train_split=train[:32]", "log_period=1", "steps=3",
+                             "reward_isolation=thread"])
+    RLTrainer(cfg, reward_fns=[(slow_length_reward, 1.0, "length")]).fit(progress=False)
+    for r in read_metrics(run_dir(cfg), "train")[1:]:       # past the step that compiled
+        assert r["timing/rewards"] >= 0.3, r
+        parts = sum(r[f"timing/{k}"] for k in (*STEP_PARTS, "rewards"))
+        assert abs(parts - r["timing/step"]) <= 0.05 * r["timing/step"], r
+        assert r["timing/device"] < r["timing/step"] - 0.3
+    steps = json.loads((run_dir(cfg) / "timing.json").read_text())["steps"]
+    assert steps["timing/rewards"] >= 0.3
