@@ -517,7 +517,8 @@ def _first_step(self: _Timing, end: float) -> dict:
     start = process_start_time()
     out = {"startup": tr.started - start, "data": own("data"), "weights": own("weights"),
            "compile": w.seconds(tr.started, end), "compiles": w.programs(tr.started, end),
-           "memory_check": own("memory_check"), "first_eval": own("eval"), "total": end - start}
+           "memory_check": own("memory_check"), "first_eval": own("eval"), "resume": own("checkpoint"),
+           "logger": own("log"), "total": end - start}
     began, inner = self.first_run                     # the first step's own run: its wall, less its compilation and
     out["first_run"] = end - began - inner - w.seconds(began, end)   # the parts clocked inside it (memory check, input)
     out["first_run"] += parts.get("input", 0.0)       # its input is part of its run
@@ -539,13 +540,15 @@ def timing_lines(rec: dict) -> list[str]:
 def _fit(tr: Trainer, progress: bool) -> dict:
     "The loop of `Trainer.fit` (inside the run lock)."
     cfg, where, clock = tr.cfg, run_dir(tr.cfg) / "checkpoints", tr.clock
-    ckpts = RunCheckpoints(cfg, tr.model_cfg, tr.tok_dir, save_concurrent_gb=save_limit_gb(tr.params, tr.opt_state))
-    _resume(tr, ckpts)
+    with clock("checkpoint"):   # before the first step: the checkpoint manager, and a resume's restore
+        ckpts = RunCheckpoints(cfg, tr.model_cfg, tr.tok_dir, save_concurrent_gb=save_limit_gb(tr.params, tr.opt_state))
+        _resume(tr, ckpts)
     if tr.latest_checkpoint is not None and tr.step >= cfg.steps:   # a finished run: nothing to train or evaluate again
         ckpts.close(); tr.close()
         return _finished(tr)
-    log = MetricsLogger(run_dir(cfg), cfg.steps, tr.step, desc=f"{tr.kind} {cfg.run_name}", progress=progress,
-                        show=tr.progress_keys)
+    with clock("log"):          # metrics.jsonl and TensorBoard's writer (its import: seconds)
+        log = MetricsLogger(run_dir(cfg), cfg.steps, tr.step, desc=f"{tr.kind} {cfg.run_name}", progress=progress,
+                            show=tr.progress_keys)
     pending = []        # (step, loss, params_finite) still on the device: fetched and checked before anything is written
     def check():
         got, _ = jax.device_get(pending), pending.clear()

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model_name=tiny", "train_split=train[:256]", "eval_split=test[:16]", "global_batch_size=8",
          "max_target_length=96", "eval_batches=1", "warmup_steps=2", "learning_rate=3e-3", "eval_num_prompts=0"]
 STEP_PARTS = ("input", "device", "host", "log", "checkpoint", "eval")
-FIRST_PARTS = ("startup", "data", "weights", "compile", "memory_check", "first_eval", "first_run")
+FIRST_PARTS = ("startup", "data", "weights", "compile", "memory_check", "first_eval", "resume", "logger", "first_run")
 
 
 def test_the_parts_add_up_to_the_wall_step_and_to_the_first_step(tmp_path):
