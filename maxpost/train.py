@@ -13,7 +13,7 @@ from flax import nnx
 from omegaconf import OmegaConf
 
 from .config import (RunConfig, TrainConfig, ConfigError, REMAT_POLICIES, derived_defaults, effective_config,
-                            kind_of, resumable_keys, run_dir, to_yaml)
+                            kind_of, resumable_keys, run_dir, to_yaml, _IMPORTED as _config_imported)
 from .checkpoint import checkpoint_manager, save_limit_gb, save_state, restore_state, checkpoint_size, describe_size
 from .policy import (Setup, TrainableWeights, command_config, model_options, read_model_config, set_model_options,
                             setup_run, trainable_weights, use_compilation_cache)
@@ -337,13 +337,14 @@ def compile_watch() -> CompileWatch:
 
 # %% ../nbs/08_train.ipynb
 def process_start_time() -> float:
-    "When this process started (`time.time()` scale, to 10 ms on Linux): imports and start-up included."
+    "When this process started (`time.time()` scale, to 10 ms on Linux): imports and start-up included. A shell that ran other commands before it `exec`ed Python (`bash -c 'pip install ... && maxpost rl'`) passed on its own start: then, and off Linux, the import of maxpost's first module."
+    first = _config_imported
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])   # start, in ticks since boot
         uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError): return _IMPORTED   # not Linux: when this module was imported
-_IMPORTED = time.time()
+        start = time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError): return first
+    return start if first - start < 5 else first   # Python reaches maxpost's first import well within 5 s
 
 # %% ../nbs/08_train.ipynb
 class Trainer:
