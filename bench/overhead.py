@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("sft", "rl", "dpo", "eval")
-FIRST_PARTS = ("startup", "data", "weights", "compile", "memory_check", "first_eval")
+FIRST_PARTS = ("startup", "data", "weights", "compile", "memory_check", "first_eval", "resume", "logger", "first_run")
 STEP_PARTS = ("device", "input", "host", "log", "checkpoint", "eval")
 TOLERANCE = 0.05
 DASH = "—"
@@ -148,12 +148,15 @@ def summarize(kind: str, launched: dict, run_dir: Path) -> dict:
     return row
 
 
-def run_checkout(checkout: Path, quick: bool, work: Path, timeout: float) -> list[dict]:
-    "Every kind once, in order (sft first: the others load its checkpoint), into a fresh directory under `work`."
+def run_checkout(checkout: Path, quick: bool, work: Path, timeout: float, cold: bool = False) -> list[dict]:
+    """Every kind once, in order (sft first: the others load its checkpoint), into a fresh directory under `work`;
+    `cold`: with a maxpost cache directory of their own (compiled programs, tokenized data), empty at the start."""
     base = Path(tempfile.mkdtemp(prefix="ovh-", dir=work))
+    env = dict(os.environ, MAXPOST_CACHE_DIR=str(base / "cache")) if cold else None
     rows = []
     for kind in KINDS:
-        launched = launch(checkout, [kind, *command_args(kind, base, quick)], base / f"ovh-{kind}", base / f"{kind}.log", timeout)
+        launched = launch(checkout, [kind, *command_args(kind, base, quick)], base / f"ovh-{kind}", base / f"{kind}.log",
+                          timeout, env)
         rows.append(summarize(kind, launched, base / f"ovh-{kind}"))
         print(json.dumps({"checkout": str(checkout), **{k: v for k, v in rows[-1].items() if v is not None}}), flush=True)
     return rows
@@ -173,14 +176,14 @@ def table(rows: list[tuple[str, dict]]) -> str:
     """A markdown table of (label, row): process wall time and time to first step with its parts (s), then the
     steady step (ms) and its host overhead."""
     head = ["command", "process s", "first step s", "seen s", "startup", "data", "weights", "compile (n)", "memory check",
-            "first eval", "other", "parts = first?", "first = seen?", "wall step ms", "device ms", "host ms", "host %", "parts = step?", "exit"]
+            "first eval", "resume", "logger", "first step run", "other", "parts = first?", "first = seen?", "wall step ms", "device ms", "host ms", "host %", "parts = step?", "exit"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for label, r in rows:
         compile_ = fmt(r["first/compile"]) + (f" ({r['compiles']})" if r.get("compiles") is not None else "")
         status = "timeout" if r["timed_out"] else str(r["returncode"])
         cells = [label, fmt(r["wall_s"]), fmt(r["first_step_s"]), fmt(r["first_step_seen_s"]),
                  *(fmt(r[f"first/{k}"]) for k in FIRST_PARTS[:3]), compile_, fmt(r["first/memory_check"]),
-                 fmt(r["first/first_eval"]), fmt(r["first/other"]), fmt(r["first_sum_ok"]), fmt(r.get("first_seen_ok")),
+                 *(fmt(r[f"first/{k}"]) for k in FIRST_PARTS[5:]), fmt(r["first/other"]), fmt(r["first_sum_ok"]), fmt(r.get("first_seen_ok")),
                  fmt(ms(r["step/step"])), fmt(ms(r["step/device"])), fmt(r.get("host_ms")), fmt(r.get("host_pct"), 2),
                  fmt(r["step_sum_ok"]), status]
         lines.append("| " + " | ".join(cells) + " |")
@@ -207,6 +210,8 @@ def main(argv=None) -> int:
     p.add_argument("--after", type=Path, default=ROOT, help="the checkout measured (default: this one)")
     p.add_argument("--rounds", type=int, default=1, help="rounds; with --before the checkouts alternate each round")
     p.add_argument("--timeout", type=float, default=600, help="seconds per command before it is stopped")
+    p.add_argument("--cold-cache", action="store_true", help="each round starts from an empty maxpost cache (a first "
+                   "run: every program compiled, the data tokenized); default: the user's cache as it is")
     p.add_argument("--keep", action="store_true", help="keep the run directories and logs (their path is printed)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "overhead.json")
     a = p.parse_args(argv)
@@ -218,7 +223,7 @@ def main(argv=None) -> int:
         for r in range(a.rounds):
             for name, checkout in checkouts.items():      # interleaved: before, after, before, after, ...
                 print(f"round {r + 1}/{a.rounds} {name or checkout}", flush=True)
-                rounds[name].append(run_checkout(checkout, a.quick, work, a.timeout))
+                rounds[name].append(run_checkout(checkout, a.quick, work, a.timeout, a.cold_cache))
     finally:
         if a.keep: print(f"runs and logs kept in {work}")
         else: shutil.rmtree(work, ignore_errors=True)
@@ -226,7 +231,7 @@ def main(argv=None) -> int:
     text = table([(f"{r['kind']} {name}".strip(), r) for rows in zip(*medians.values()) for name, r in zip(medians, rows)])
     print(f"\n{text}\n\n{a.rounds} round(s), median per command; {time.perf_counter() - t0:.0f} s in all")
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"argv": sys.argv[1:], "quick": a.quick, "rounds": a.rounds,
+    a.out.write_text(json.dumps({"argv": sys.argv[1:], "quick": a.quick, "rounds": a.rounds, "cold_cache": a.cold_cache,
                                  "checkouts": {k: str(v) for k, v in checkouts.items()},
                                  "median": medians, "all_rounds": rounds, "table": text}, indent=1))
     print(f"written: {a.out}")

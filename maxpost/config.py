@@ -4,7 +4,8 @@
 
 # %% ../nbs/00_config.ipynb 3
 from __future__ import annotations
-import difflib, importlib.util, json, os, re
+import difflib, importlib.util, json, os, re, time
+_IMPORTED = time.time()   # when maxpost's first module was imported (chapter 08 times a run's start-up from it)
 from dataclasses import dataclass, field, fields, MISSING as _NO_DEFAULT
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence

@@ -5,7 +5,7 @@
 # %% ../nbs/04_data.ipynb 4
 from __future__ import annotations
 
-import bisect, codecs, glob, hashlib, json, os, re, shutil, socket, sys, warnings
+import bisect, codecs, contextlib, glob, hashlib, json, os, re, shutil, socket, sys, types, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -23,26 +23,38 @@ __all__ = ['END_OF_TURN_TOKENS', 'FORMATS', 'DATA_FORMATS', 'TRAIN_ON', 'CHAT_RO
 # %% ../nbs/04_data.ipynb
 _VOCAB_FILES = ("tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "tokenizer.tiktoken")  # slow tokenizers'
 
+def _auto_tokenizer():
+    "transformers' AutoTokenizer (importing it reads every model family's configuration: seconds)."
+    from transformers import AutoTokenizer
+    return AutoTokenizer
+
+def _tokenizer_class(d: Path) -> str | None:
+    "The `tokenizer_class` a tokenizer directory's tokenizer_config.json names, if any."
+    try: return json.loads((d / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError): return None
+
 def load_tokenizer(path: str | Path, *, chat_template: str | None = None):
     "Load a Hugging Face tokenizer (tokenizer.json + chat template) from a checkpoint directory, a tokenizer file or a hub name."
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
     p = Path(path)
     if p.is_file():  # a tokenizer.json: use its directory when it has the config (special tokens, template)
         if (p.parent / "tokenizer_config.json").exists():
-            tok = AutoTokenizer.from_pretrained(str(p.parent), trust_remote_code=False)
+            tok = _auto_tokenizer().from_pretrained(str(p.parent), trust_remote_code=False)
         else:
             tok = PreTrainedTokenizerFast(tokenizer_file=str(p))
     elif p.is_dir() and not (p / "tokenizer.json").is_file():   # a slow tokenizer's vocabulary, or nothing usable
         vocab = [f for f in _VOCAB_FILES if (p / f).is_file()]
-        try: tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=False) if vocab else None
+        try: tok = _auto_tokenizer().from_pretrained(str(p), trust_remote_code=False) if vocab else None
         except Exception: tok = None          # transformers' own words name neither the directory nor the fix
         if tok is None:
             why = f" and transformers cannot read its {vocab[0]} (sentencepiece or tiktoken missing?)" if vocab else ""
             raise ConfigError(f"{p} has no tokenizer.json{why}: copy the model's tokenizer.json and "
                               f"tokenizer_config.json into it, or give tokenizer_path= a directory that has them "
                               f"(from a GGUF file, maxpost convert model.gguf DIR writes both)")
+    elif p.is_dir() and _tokenizer_class(p) in ("PreTrainedTokenizerFast", PreTrainedTokenizerFast.__name__):
+        tok = PreTrainedTokenizerFast.from_pretrained(str(p))   # what AutoTokenizer picks, without importing it (seconds)
     else:
-        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        tok = _auto_tokenizer().from_pretrained(str(path), trust_remote_code=False)
     if chat_template:
         is_file = "{" not in chat_template and Path(chat_template).is_file()  # a template file or the template itself
         tok.chat_template = Path(chat_template).read_text() if is_file else chat_template
@@ -469,7 +481,16 @@ def _encode_all(dataset, tokenizer, fmt: str, max_target_length: int, train_on: 
     # forkserver: the workers do not inherit the threads of JAX (a fork of a threaded process can deadlock)
     with concurrent.futures.ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("forkserver"),
                                                 initializer=quiet) as pool:
-        return list(pool.map(work, jobs))
+        with _main_left_behind(): futures = [pool.submit(work, j) for j in jobs]   # the workers start here
+        return [f.result() for f in futures]
+
+@contextlib.contextmanager
+def _main_left_behind():
+    "While worker processes start: they do not import the caller's `__main__` (Python's default), which would run a script without an `if __name__ == \"__main__\"` guard again in each worker (and import the CLI with JAX, seconds each); `_encode_shard` needs `maxpost.data` only."
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try: yield
+    finally: sys.modules["__main__"] = main
 
 
 # %% ../nbs/04_data.ipynb

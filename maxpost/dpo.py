@@ -310,7 +310,7 @@ class DPOTrainer(Trainer):
     def __init__(self, cfg: DPOConfig, setup: Setup | None = None, *, progress: bool = True):
         super().__init__(cfg, setup)
         self.progress = progress
-        check_held_out(cfg)
+        with self.clock("data"): check_held_out(cfg)
         B, lengths = cfg.global_batch_size, (cfg.max_prompt_length, cfg.max_completion_length)
         cols = {"prompt": cfg.prompt_column, "chosen": cfg.chosen_column, "rejected": cfg.rejected_column}
         def pairs(split, source, what):   # every pair checked and tokenized now: a bad row stops the run before step 1
@@ -318,13 +318,15 @@ class DPOTrainer(Trainer):
                             what=f"{what} pairs ({source or 'the embedded task'}, split {split!r})")
             if progress and jax.process_index() == 0: print(data.summary(), file=sys.stderr)
             return data
-        self.train_data = pairs(cfg.train_split, cfg.dataset_name, "train")
-        self.eval_data = pairs(cfg.eval_split, eval_source(cfg), "held-out")
+        with self.clock("data"):
+            self.train_data = pairs(cfg.train_split, cfg.dataset_name, "train")
+            self.eval_data = pairs(cfg.eval_split, eval_source(cfg), "held-out")
         self.order = PromptIterator(list(range(len(self.train_data))), seed=cfg.seed)
         n_eval = min(len(self.eval_data), cfg.eval_batches * B)
         self.eval_chunks = [list(range(i, min(i + B, n_eval))) for i in range(0, n_eval, B)]
         # greedy pass@1 needs problems with gold answers: the embedded task's held-out split has them
-        self.eval_examples = load_eval_examples(cfg) if not eval_source(cfg) and cfg.eval_num_prompts else []
+        with self.clock("data"):
+            self.eval_examples = load_eval_examples(cfg) if not eval_source(cfg) and cfg.eval_num_prompts else []
         self.build_steps()
         self.flops_per_token = flops_per_token(self.model_cfg, sum(lengths))
         self.reference, self.ref_table = None, None       # π_ref: a ReferencePolicy, or its log-probs computed once

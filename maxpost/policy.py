@@ -21,9 +21,9 @@ from .lora import adapters_off, save_merged_hf, save_adapter
 __all__ = ['INPUT_KEYS', 'make_run_mesh', 'model_options', 'set_model_options', 'model_config_for', 'is_hf_dir',
            'find_run_checkpoint', 'read_model_config', 'load_policy', 'lora_options', 'attach_adapters',
            'check_lora_base', 'adapter_base', 'lora_run_config', 'load_lora_run', 'tokenizer_dir', 'check_vocab',
-           'missing_inputs', 'check_inputs', 'start_line', 'Setup', 'setup_run', 'given_explicitly',
-           'default_start_problem', 'output_problem', 'command_config', 'TrainableWeights', 'FullWeights',
-           'LoRAWeights', 'trainable_weights']
+           'missing_inputs', 'check_inputs', 'start_line', 'Setup', 'use_compilation_cache', 'setup_run',
+           'given_explicitly', 'default_start_problem', 'output_problem', 'command_config', 'TrainableWeights',
+           'FullWeights', 'LoRAWeights', 'trainable_weights']
 
 # %% ../nbs/07b_policy.ipynb
 def make_run_mesh(cfg: RunConfig, devices=None) -> jax.sharding.Mesh:
@@ -74,10 +74,14 @@ def read_model_config(run: Path) -> mm.ModelConfig:
     return mm.ModelConfig(**json.loads((Path(run) / "model_config.json").read_text()))
 
 # %% ../nbs/07b_policy.ipynb
-def _restore_params(run: Path, step: int | None, model: nnx.Module) -> None:
-    "Write the parameters of checkpoint `step` (default: the newest) of `run` into `model`, in its shards."
-    restored, _, _ = restore_state(checkpoint_manager(run / "checkpoints"), nnx.state(model, nnx.Param), step=step)
-    nnx.update(model, restored)
+def _restored_model(run: Path, step: int | None, mcfg: mm.ModelConfig, mesh) -> nnx.Module:
+    "The model `mcfg` describes with the parameters of checkpoint `step` (default: the newest) of `run`, read straight into their shards on `mesh`: no random weights are made first (their program and their memory)."
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: mm.Decoder(mcfg, rngs=nnx.Rngs(0))))
+    where = (sharding.param_shardings(state, mesh) if mesh is not None else
+             jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), state))
+    target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, where)
+    restored, _, _ = restore_state(checkpoint_manager(run / "checkpoints"), target, step=step)
+    return nnx.merge(graphdef, restored)
 
 def load_policy(cfg: RunConfig, mesh) -> nnx.Module:
     "The initial policy: from `load_parameters_path` (maxpost run, Hugging Face or MaxText checkpoint) or a random preset."
@@ -105,9 +109,7 @@ def load_policy(cfg: RunConfig, mesh) -> nnx.Module:
         raise ConfigError(f"load_parameters_path={path!r} is no checkpoint maxpost reads; give "
                           f"{describe_checkpoint_kinds()}") from None
     if lora_run_config(run) is not None: return load_lora_run(run, step, cfg, mesh)   # adapters + their base
-    model = mm.create_model(dataclasses.replace(read_model_config(run), **opts), seed=0, mesh=mesh)
-    _restore_params(run, step, model)   # the random weights above are overwritten in their shards
-    return model
+    return _restored_model(run, step, dataclasses.replace(read_model_config(run), **opts), mesh)
 
 # %% ../nbs/07b_policy.ipynb
 def lora_options(cfg: TrainConfig) -> dict | None:
@@ -246,12 +248,16 @@ class Setup:
         "The policy."
         return self.models["policy"]
 
+def use_compilation_cache(cfg: RunConfig) -> Path | None:
+    "JAX's persistent compilation cache where `cfg.compilation_cache_dir` says (`auto`: JAX's own setting, else the user cache directory; \"\": off); the directory, or None."
+    where = getattr(cfg, "compilation_cache_dir", "")
+    if not where: return None
+    return sharding.enable_compilation_cache(None if where == "auto" else where)
+
 def setup_run(cfg: RunConfig, *, devices=None, models: dict[str, str] | None = None, announce: bool | None = None) -> Setup:
     "The mesh (over `devices`, default all), the tokenizer and the policy of `cfg` on the mesh, and each model of `models` (name -> checkpoint path, loaded as `load_parameters_path` is); the tokenizer checked against every model. `announce` (default: for a command's config) prints `start_line`."
     from maxpost.data import load_tokenizer
-    from maxpost.sharding import enable_compilation_cache
-    if where := getattr(cfg, "compilation_cache_dir", ""):   # every command (eval too), before its first compilation
-        enable_compilation_cache(None if where == "auto" else where)
+    use_compilation_cache(cfg)   # every command (eval too), before its first compilation
     check_inputs(cfg)
     mesh = make_run_mesh(cfg, devices)
     default = None if cfg.dataset_name else tasks.prepare_embedded_task(cfg)["tokenizer"]

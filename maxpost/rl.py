@@ -4,7 +4,7 @@
 
 # %% ../nbs/15_rl.ipynb 4
 from __future__ import annotations
-import time
+import contextlib, threading, time
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
@@ -279,7 +279,7 @@ class RLTrainer(Trainer):
             raise ConfigError(f"max_staleness={cfg.max_staleness} needs maxpost.async_rl.AsyncRLTrainer (what `maxpost rl` "
                               "runs); RLTrainer is the synchronous loop (max_staleness=0)")
         super().__init__(cfg, setup)
-        check_held_out(cfg)
+        with self.clock("data"): check_held_out(cfg)
         G, B, A = cfg.num_generations, cfg.global_batch_size, cfg.gradient_accumulation_steps
         self.mini_batch = cfg.mini_batch_size or B
         self.updates_per_step = cfg.num_iterations * (B // self.mini_batch)
@@ -293,8 +293,9 @@ class RLTrainer(Trainer):
         if cfg.reward_isolation == "process": start_reward_workers(self.rewards)   # they boot while the rest loads
         correctness = any(s.fn is correctness_reward for s in self.rewards)
         self.environment = environment_factory(cfg.environment) if cfg.environment else None   # episodes: one per call
-        self.prompts = PromptIterator(load_examples(cfg, cfg.train_split, check_gold=correctness), seed=cfg.seed)
-        self.eval_examples = load_eval_examples(cfg)
+        with self.clock("data"):
+            self.prompts = PromptIterator(load_examples(cfg, cfg.train_split, check_gold=correctness), seed=cfg.seed)
+            self.eval_examples = load_eval_examples(cfg)
         self.build_steps()
         self.engine = engine if engine is not None else make_engine(cfg, self.model, self.tokenizer)
         self.sampling = sampling_options(cfg, self.tokenizer)
@@ -330,9 +331,11 @@ class RLTrainer(Trainer):
                                              **self.sampling, seed=cfg.seed * 1_000_003 + index)
         t_roll = time.perf_counter() - t0
         columns = {k: [e[k] for e in examples for _ in range(G)] for k in examples[0] if k != "question"}
-        total, _, reward_metrics = compute_rewards(self.rewards, [e["question"] for e in examples for _ in range(G)],
-                                                   r.text, columns, timeout_s=cfg.reward_timeout_s,
-                                                   isolation=cfg.reward_isolation)
+        # a part of the step's wall time of its own (`timing/rewards`), when the loop's thread runs the rollout
+        with self.clock("rewards") if threading.current_thread() is threading.main_thread() else contextlib.nullcontext():
+            total, _, reward_metrics = compute_rewards(self.rewards, [e["question"] for e in examples for _ in range(G)],
+                                                       r.text, columns, timeout_s=cfg.reward_timeout_s,
+                                                       isolation=cfg.reward_isolation)
         adv = np.asarray(group_advantages(jnp.asarray(total), G, scale=cfg.advantage_scale), np.float32)
         batch = dict(prompt_ids=r.prompt_ids, prompt_mask=r.prompt_mask, completion_ids=r.completion_ids,
                      completion_mask=r.completion_mask, advantages=adv)

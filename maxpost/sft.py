@@ -109,8 +109,9 @@ class SFTTrainer(Trainer):
 
     def __init__(self, cfg: SFTConfig, setup: Setup | None = None, *, progress: bool = True):
         super().__init__(cfg, setup)
-        _check_batch(cfg, self.mesh); check_held_out(cfg)
+        _check_batch(cfg, self.mesh)
         with self.clock("data"):
+            check_held_out(cfg)
             self.train_it = sft_data(cfg, self.tokenizer, cfg.train_split, shuffle=True)
             self.eval_it = sft_data(cfg, self.tokenizer, cfg.eval_split, shuffle=False, num_epochs=1, source=eval_source(cfg))
             self._eval_start = self.eval_it.state()

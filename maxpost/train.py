@@ -13,19 +13,18 @@ from flax import nnx
 from omegaconf import OmegaConf
 
 from .config import (RunConfig, TrainConfig, ConfigError, REMAT_POLICIES, derived_defaults, effective_config,
-                            kind_of, resumable_keys, run_dir, to_yaml)
+                            kind_of, resumable_keys, run_dir, to_yaml, _IMPORTED as _config_imported)
 from .checkpoint import checkpoint_manager, save_limit_gb, save_state, restore_state, checkpoint_size, describe_size
 from .policy import (Setup, TrainableWeights, command_config, model_options, read_model_config, set_model_options,
-                            setup_run, trainable_weights)
+                            setup_run, trainable_weights, use_compilation_cache)
 from .rundir import RunLock, MetricsLogger, as_scalar, read_metrics
-from .sharding import enable_compilation_cache
 
 # %% auto 0
 __all__ = ['PEAK_BF16_FLOPS', 'make_schedule', 'make_optimizer', 'on_mesh', 'init_opt_state', 'check_finite', 'config_changes',
            'check_resume', 'precheck_run_dir', 'RunCheckpoints', 'StopSignal', 'RunStopped', 'flops_per_token',
            'device_peak_flops', 'StepCompiler', 'memory_needed', 'device_memory', 'MemoryShortfall', 'check_memory',
-           'Clock', 'CompileWatch', 'compile_watch', 'use_compilation_cache', 'process_start_time', 'Trainer',
-           'timing_lines', 'Prefetcher', 'print_summary', 'train_command']
+           'Clock', 'CompileWatch', 'compile_watch', 'process_start_time', 'Trainer', 'timing_lines', 'Prefetcher',
+           'print_summary', 'train_command']
 
 # %% ../nbs/08_train.ipynb
 def make_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -337,20 +336,15 @@ def compile_watch() -> CompileWatch:
     return _WATCH[0]
 
 # %% ../nbs/08_train.ipynb
-def use_compilation_cache(cfg: RunConfig) -> Path | None:
-    "JAX's persistent compilation cache where `cfg.compilation_cache_dir` says (`auto`: JAX's own setting, else the user cache directory; \"\": off); the directory, or None."
-    where = getattr(cfg, "compilation_cache_dir", "")
-    if not where: return None
-    return enable_compilation_cache(None if where == "auto" else where)
-
 def process_start_time() -> float:
-    "When this process started (`time.time()` scale, to 10 ms on Linux): imports and start-up included."
+    "When this process started (`time.time()` scale, to 10 ms on Linux): imports and start-up included. A shell that ran other commands before it `exec`ed Python (`bash -c 'pip install ... && maxpost rl'`) passed on its own start: then, and off Linux, the import of maxpost's first module."
+    first = _config_imported
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])   # start, in ticks since boot
         uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError): return _IMPORTED   # not Linux: when this module was imported
-_IMPORTED = time.time()
+        start = time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError): return first
+    return start if first - start < 5 else first   # Python reaches maxpost's first import well within 5 s
 
 # %% ../nbs/08_train.ipynb
 class Trainer:
@@ -481,6 +475,7 @@ class _Timing:
             if timed: jax.block_until_ready(tr.params); t0, c0 = time.perf_counter(), sum(clock.parts.values())
             m = tr.train_step()
             if timed: jax.block_until_ready(m); self.device = time.perf_counter() - t0 - (sum(clock.parts.values()) - c0)
+            if self.first is None: self.first_run = (time.time() - (time.perf_counter() - t0), sum(clock.parts.values()) - c0)
             pending.append((tr.step + 1, m["loss"], m.pop("params_finite", True)))
             tr.step += 1; self.tokens += m.pop("num_tokens", 0); self.steps += 1
         if self.first is None: self.first, self.includes_first = _first_step(self, time.time()), True
@@ -523,7 +518,11 @@ def _first_step(self: _Timing, end: float) -> dict:
     start = process_start_time()
     out = {"startup": tr.started - start, "data": own("data"), "weights": own("weights"),
            "compile": w.seconds(tr.started, end), "compiles": w.programs(tr.started, end),
-           "memory_check": own("memory_check"), "first_eval": own("eval"), "total": end - start}
+           "memory_check": own("memory_check"), "first_eval": own("eval"), "resume": own("checkpoint"),
+           "logger": own("log"), "total": end - start}
+    began, inner = self.first_run                     # the first step's own run: its wall, less its compilation and
+    out["first_run"] = end - began - inner - w.seconds(began, end)   # the parts clocked inside it (memory check, input)
+    out["first_run"] += parts.get("input", 0.0)       # its input is part of its run
     out["other"] = out["total"] - sum(v for k, v in out.items() if k not in ("compiles", "total"))
     return out
 
@@ -542,13 +541,15 @@ def timing_lines(rec: dict) -> list[str]:
 def _fit(tr: Trainer, progress: bool) -> dict:
     "The loop of `Trainer.fit` (inside the run lock)."
     cfg, where, clock = tr.cfg, run_dir(tr.cfg) / "checkpoints", tr.clock
-    ckpts = RunCheckpoints(cfg, tr.model_cfg, tr.tok_dir, save_concurrent_gb=save_limit_gb(tr.params, tr.opt_state))
-    _resume(tr, ckpts)
+    with clock("checkpoint"):   # before the first step: the checkpoint manager, and a resume's restore
+        ckpts = RunCheckpoints(cfg, tr.model_cfg, tr.tok_dir, save_concurrent_gb=save_limit_gb(tr.params, tr.opt_state))
+        _resume(tr, ckpts)
     if tr.latest_checkpoint is not None and tr.step >= cfg.steps:   # a finished run: nothing to train or evaluate again
         ckpts.close(); tr.close()
         return _finished(tr)
-    log = MetricsLogger(run_dir(cfg), cfg.steps, tr.step, desc=f"{tr.kind} {cfg.run_name}", progress=progress,
-                        show=tr.progress_keys)
+    with clock("log"):          # metrics.jsonl and TensorBoard's writer (its import: seconds)
+        log = MetricsLogger(run_dir(cfg), cfg.steps, tr.step, desc=f"{tr.kind} {cfg.run_name}", progress=progress,
+                            show=tr.progress_keys)
     pending = []        # (step, loss, params_finite) still on the device: fetched and checked before anything is written
     def check():
         got, _ = jax.device_get(pending), pending.clear()

@@ -540,3 +540,30 @@ def test_event_loop_closed_tracebacks_stay_dropped_in_later_notebook_cells():
                       "sys.excepthook(ValueError, ValueError('a real error'), None)\nprint('cell ran')"))
     assert "cell ran" in out and "Event loop is closed" not in out, out
     assert "a real error" in out, out      # every other exception is still shown
+
+
+def test_a_run_checkpoint_loads_onto_its_shards_without_random_weights_first(tmp_path, monkeypatch):
+    """issue 41: `load_policy` of a maxpost run read the checkpoint into a randomly initialised model (a program to
+    compile and run, and a second copy of the weights); now into an abstract one. The weights are the saved ones bit for
+    bit, on the shardings the mesh gives a fresh model; nothing random is made (create_model is not called)."""
+    from maxpost.config import load_config
+    from maxpost import policy, sharding, model as mm
+    mcfg = get_model_config("tiny", num_layers=2, d_model=64, mlp_dim=128, vocab_size=96)
+    saved = create_model(mcfg, seed=3)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "model_config.json").write_text(json.dumps(__import__("dataclasses").asdict(mcfg)))
+    save_state(checkpoint_manager(run / "checkpoints"), 7, nnx.state(saved, nnx.Param))
+    mesh = sharding.make_mesh(data=2, fsdp=4)
+    fresh = mm.create_model(mcfg, seed=0, mesh=mesh)                 # where a fresh model's weights live on this mesh
+    monkeypatch.setattr(mm, "create_model", lambda *a, **k: pytest.fail("random weights made before the restore"))
+    cfg = load_config("rl", [f"base_output_directory={tmp_path}", "run_name=r", f"load_parameters_path={run}"])
+    got = policy.load_policy(cfg, mesh)
+    flat = lambda m: dict(nnx.to_flat_state(nnx.state(m, nnx.Param)))
+    want, placed, have = flat(saved), flat(fresh), flat(got)
+    assert want.keys() == have.keys() and len(have) > 10
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(have[k][...]), np.asarray(want[k][...]), err_msg=str(k))
+        assert have[k][...].sharding == placed[k][...].sharding, k
+    tokens = jnp.asarray(_tokens(5, vocab=96))
+    np.testing.assert_allclose(np.asarray(got(tokens)), np.asarray(saved(tokens)), rtol=1e-5, atol=1e-5)   # sharded sums

@@ -189,3 +189,56 @@ def test_a_second_sft_run_reads_the_examples_from_the_cache(tmp_path):
     r = subprocess.run(cmd("b"), env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "train split: 256 examples, 99 truncated" in r.stderr, r.stderr[-3000:]
+
+
+def test_a_script_without_a_main_guard_tokenizes_in_processes_and_runs_once(toks, tmp_path):
+    """A user's script that calls maxpost at module level (no `if __name__ == "__main__":`) used to be imported again
+    by each worker process, which started its own pool there and broke the run (BrokenProcessPool); the workers now
+    leave `__main__` behind: the script runs once and the two processes give the one-process arrays."""
+    rows, tok_dir = _conversations(120), tmp_path / "tok"
+    toks["spans"].save_pretrained(tok_dir)
+    _write_jsonl(tmp_path / "rows.jsonl", rows)
+    script = tmp_path / "user_script.py"
+    script.write_text(f"""
+import json, numpy as np
+from maxpost.data import load_tokenizer, tokenize_dataset
+print("script body runs")
+rows = [json.loads(l) for l in open({str(tmp_path / "rows.jsonl")!r})]
+tok = load_tokenizer({str(tok_dir)!r})
+two = tokenize_dataset(rows, tok, max_target_length=96, num_proc=2, cache_dir=False)
+one = tokenize_dataset(rows, tok, max_target_length=96, num_proc=1, cache_dir=False)
+assert np.array_equal(two.tokens, one.tokens) and np.array_equal(two.loss_mask, one.loss_mask)
+assert np.array_equal(two.offsets, one.offsets) and len(one) > 100
+print("same arrays")
+""")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("script body runs") == 1 and "same arrays" in r.stdout, r.stdout
+
+
+def test_a_tokenizer_without_a_class_of_its_own_loads_as_autotokenizer_would_without_importing_it(toks, tmp_path):
+    """A directory whose tokenizer_config.json names the generic fast tokenizer (maxpost's embedded one, a GGUF
+    conversion) loads as that class directly: importing AutoTokenizer reads every model family's configuration, seconds
+    of every command's start. The tokenizer is AutoTokenizer's in every respect a run uses."""
+    d = tmp_path / "tok"
+    toks["spans"].save_pretrained(d)
+    code = f"""
+import sys
+from maxpost.data import load_tokenizer
+tok = load_tokenizer({str(d)!r})
+print("auto imported" if "transformers.models.auto.tokenization_auto" in sys.modules else "auto not imported")
+from transformers import AutoTokenizer
+ref = AutoTokenizer.from_pretrained({str(d)!r})
+chat = [{{"role": "user", "content": "café 東京 48/2 = 24"}}, {{"role": "assistant", "content": "#### 72"}}]
+assert type(tok) is type(ref), (type(tok), type(ref))
+assert tok.apply_chat_template(chat, tokenize=False) == ref.apply_chat_template(chat, tokenize=False)
+assert tok("the capital 😀 of France")["input_ids"] == ref("the capital 😀 of France")["input_ids"]
+assert (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id, tok.padding_side, tok.special_tokens_map) == \\
+       (ref.eos_token_id, ref.pad_token_id, ref.bos_token_id, ref.padding_side, ref.special_tokens_map)
+print("same tokenizer")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT)), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["auto", "not", "imported", "same", "tokenizer"], r.stdout

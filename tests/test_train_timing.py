@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model_name=tiny", "train_split=train[:256]", "eval_split=test[:16]", "global_batch_size=8",
          "max_target_length=96", "eval_batches=1", "warmup_steps=2", "learning_rate=3e-3", "eval_num_prompts=0"]
 STEP_PARTS = ("input", "device", "host", "log", "checkpoint", "eval")
-FIRST_PARTS = ("startup", "data", "weights", "compile", "memory_check", "first_eval")
+FIRST_PARTS = ("startup", "data", "weights", "compile", "memory_check", "first_eval", "resume", "logger", "first_run")
 
 
 def test_the_parts_add_up_to_the_wall_step_and_to_the_first_step(tmp_path):
@@ -41,6 +41,7 @@ def test_the_parts_add_up_to_the_wall_step_and_to_the_first_step(tmp_path):
     # (how many programs were compiled depends on what the persistent cache already holds: the rerun test counts them)
     assert abs(named + first["other"] - first["total"]) < 1e-6 and isinstance(first["compiles"], int), first
     assert first["data"] > 0 and first["weights"] > 0 and first["compile"] > 0 and first["memory_check"] > 0
+    assert first["first_run"] > 0
     assert first["startup"] > 0 and first["total"] > first["startup"]
     steps = rec["steps"]
     assert abs(sum(steps[f"timing/{k}"] for k in STEP_PARTS) - steps["timing/step"]) <= 0.05 * steps["timing/step"]
@@ -148,3 +149,39 @@ def test_a_rerun_of_the_same_command_compiles_nothing(tmp_path):
     assert second["compiled"] == 0 and second["hits"] >= first["compiled"] and t2["first_step"]["compiles"] == 0, second
     off, _ = run("c", "")                              # compilation_cache_dir= : no cache, everything compiled again
     assert off["compiled"] == first["compiled"] and off["hits"] == 0, off
+
+
+def test_rl_rewards_are_a_part_of_the_step_of_their_own(tmp_path):
+    """An RL step's reward scoring is its own part (`timing/rewards`), out of `device`: a reward that takes 0.3 s shows
+    there, and the parts still add up to the wall step."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from rewards_for_tests import slow_length_reward
+    from maxpost.rl import RLTrainer
+    cfg = load_config("rl", [f"base_output_directory={tmp_path}", "run_name=t", "load_parameters_path=", "model_name=tiny",
+                             "global_batch_size=8", "num_generations=4", "mini_batch_size=0", "max_prompt_length=64", "max_completion_length=8",
+                             "eval_interval=0", "eval_num_prompts=0", "train_split=train[:32]", "log_period=1", "steps=3",
+                             "reward_isolation=thread"])
+    RLTrainer(cfg, reward_fns=[(slow_length_reward, 1.0, "length")]).fit(progress=False)
+    for r in read_metrics(run_dir(cfg), "train")[1:]:       # past the step that compiled
+        assert r["timing/rewards"] >= 0.3, r
+        parts = sum(r[f"timing/{k}"] for k in (*STEP_PARTS, "rewards"))
+        assert abs(parts - r["timing/step"]) <= 0.05 * r["timing/step"], r
+        assert r["timing/device"] < r["timing/step"] - 0.3
+    steps = json.loads((run_dir(cfg) / "timing.json").read_text())["steps"]
+    assert steps["timing/rewards"] >= 0.3
+
+
+def test_a_shell_that_execs_maxpost_late_does_not_lend_it_its_start(tmp_path):
+    """`bash -c 'a && b && maxpost rl'` execs its last command: the process's start in /proc is the shell's, minutes
+    before Python ran (a fresh clone's main job reported 724 s of 'startup' that were pip and SFT). The start is then
+    the import of maxpost's first module; without a shell in front it is the process's own start."""
+    code = ("import time; from maxpost.train import process_start_time; from maxpost.config import _IMPORTED; "
+            "print(time.time() - process_start_time(), _IMPORTED - process_start_time())")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    late = subprocess.run(["bash", "-c", f"sleep 7 && exec {sys.executable} -c '{code}'"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    age, lead = map(float, late.stdout.split())
+    assert age < 7 and lead == 0, late.stdout                  # not the shell's 7 s: maxpost's first import
+    alone = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    age, lead = map(float, alone.stdout.split())
+    assert 0 < lead < age, alone.stdout                         # the interpreter's own start, before maxpost's import
