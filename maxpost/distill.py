@@ -118,12 +118,17 @@ def _raw_rows(cfg: DistillConfig, split: str):
     if cfg.dataset_name: return load_dataset_split(cfg.dataset_name, split, dataset_config=cfg.dataset_config)
     return load_dataset_split(*embedded_split(cfg, split))
 
+def _dataset_completions_needed(cfg: DistillConfig) -> bool:
+    "Whether some step trains on the dataset's completions (gkd; supervised or offline from the dataset)."
+    return cfg.mode == "gkd" or (cfg.mode in ("supervised", "offline") and cfg.completion_source == "dataset")
+
 def distill_examples(cfg: DistillConfig, split: str) -> list[dict]:
-    "`{question, completion}` rows of `split`: the completion column, else the answer written as the embedded task's reply (`<reasoning>...</reasoning><answer>N</answer>`)."
+    "`{question, completion}` rows of `split`: the completion column, else the answer written as the embedded task's reply (`<reasoning>...</reasoning><answer>N</answer>`); None when the rows have neither and no step trains on dataset completions (a task of prompts and answers only, such as reasoning-gym's, on-policy)."
     rows, out = _raw_rows(cfg, split), []
     for r in rows:
         if cfg.completion_column in r: c = str(r[cfg.completion_column])
         elif "####" in str(r.get(cfg.answer_column, "")): c = tasks.format_completion(str(r[cfg.answer_column]))
+        elif not _dataset_completions_needed(cfg): c = None      # on-policy, or the teacher writes them
         else: raise ConfigError(f"split {split!r} has neither a {cfg.completion_column!r} column nor GSM8K answers "
                                 "('... #### N') to write completions from; set completion_column=")
         out.append({"question": str(r[cfg.question_column]), "completion": c})

@@ -1,6 +1,7 @@
 """`maxpost distill` (chapter 15d): the on-policy loss is the per-token reverse KL over the whole vocabulary, the
 offline top-k path is the online one when k is the vocabulary, a teacher of another vocabulary is refused with exit 2,
 and a tiny run trains, evaluates the teacher and resumes to the same weights and metrics."""
+import json
 import jax, jax.numpy as jnp, numpy as np
 import pytest
 from flax import nnx
@@ -8,7 +9,7 @@ from flax import nnx
 from maxpost import tasks
 from maxpost.checkpoint import save_hf, checkpoint_manager, restore_state
 from maxpost.cli import main as cli_main
-from maxpost.config import load_config
+from maxpost.config import ConfigError, load_config
 from maxpost.data import PromptIterator
 from maxpost.model import create_model, get_model_config
 from maxpost.policy import setup_run
@@ -129,3 +130,20 @@ def test_tiny_distill_runs_evaluates_the_teacher_and_resumes_exactly(tmp_path, c
     a = restore_state(checkpoint_manager(tmp_path / "whole" / "checkpoints"), like)[0]
     b = restore_state(checkpoint_manager(tmp_path / "parts" / "checkpoints"), like)[0]
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)): np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_prompts_without_completions_serve_on_policy_but_not_the_dataset_modes(tmp_path):
+    "Catches: on-policy (or teacher-written) distillation of a task of prompts and answers only, such as reasoning-gym's, refused for want of dataset completions it never trains on; or a mode that trains on dataset completions handed None instead of the one-line error."
+    d = tmp_path / "qa"; d.mkdir()
+    rows = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(6)]
+    for split in ("train", "test"): (d / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    base = [f"base_output_directory={tmp_path}", "teacher_path=t", f"dataset_name={d}", "eval_split=test"]
+    for extra in (["mode=on_policy"], ["mode=supervised", "completion_source=teacher"],
+                  ["mode=offline", "completion_source=teacher"]):
+        cfg = load_config("distill", base + extra)
+        got = distill_examples(cfg, "train")
+        assert [r["question"] for r in got] == [r["question"] for r in rows], extra
+        assert all(r["completion"] is None for r in got), extra
+    for extra in (["mode=gkd"], ["mode=supervised"], ["mode=offline"]):
+        with pytest.raises(ConfigError, match="completion_column="):
+            distill_examples(load_config("distill", base + extra), "train")
