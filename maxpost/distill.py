@@ -4,7 +4,7 @@
 
 # %% ../nbs/15d_distill.ipynb 4
 from __future__ import annotations
-import dataclasses, json, os, sys, time
+import dataclasses, json, os, sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -24,7 +24,7 @@ from .distill_loss import (TOPK_TAILS, completion_distill_loss, completion_hidde
 from .evaluate import load_eval_examples, evaluate, eval_options, held_out_table
 from .tasks import check_held_out, embedded_split
 from .policy import Setup, setup_run, command_config
-from .train import Clock, Trainer, flops_per_token, print_summary, precheck_run_dir
+from .train import Trainer, flops_per_token, print_summary
 from .step import make_update_step
 
 def _patch(f):
@@ -272,12 +272,10 @@ class DistillTrainer(Trainer):
                     "global_batch_size, a shorter max_prompt_length or max_completion_length, mode=offline (no teacher "
                     "in memory), or more devices (fsdp_parallelism)")
 
+    def setup_options(self, cfg: DistillConfig) -> dict: return dict(models=teacher_models(cfg))
+
     def __init__(self, cfg: DistillConfig, setup: Setup | None = None, *, progress: bool = True):
-        self.clock, self.started = Clock(), time.time()   # start-up ends here: the teacher's loading counts as weights
-        precheck_run_dir(cfg)
-        if setup is None:
-            with self.clock("weights"): setup = setup_run(cfg, models=teacher_models(cfg))
-        super().__init__(cfg, setup)
+        super().__init__(cfg, setup)              # with no setup given: `setup_options` adds the teacher
         self.progress, self.teacher_result = progress, None
         with self.clock("data"):   # the held-out check, the prompts (or the offline file) and the held-out problems
             check_held_out(cfg)
@@ -287,7 +285,7 @@ class DistillTrainer(Trainer):
                 check_teacher_vocab(self.model_cfg.vocab_size, meta["vocab_size"], str(offline_path(cfg)))
                 self.order = PromptIterator(list(range(len(self.offline["prompt_ids"]))), seed=cfg.seed)
             else:
-                teacher = setup.models["teacher"]
+                teacher = self.models["teacher"]
                 check_teacher_vocab(self.model_cfg.vocab_size, teacher.cfg.vocab_size, cfg.teacher_path)
                 self.teacher_graphdef, self.teacher_state = nnx.split(teacher)     # frozen: never updated, no optimizer state
                 self.order = PromptIterator(distill_examples(cfg, cfg.train_split), seed=cfg.seed)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/15_rl.ipynb 4
 from __future__ import annotations
-import contextlib, threading, time
+import time
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
@@ -331,8 +331,7 @@ class RLTrainer(Trainer):
                                              **self.sampling, seed=cfg.seed * 1_000_003 + index)
         t_roll = time.perf_counter() - t0
         columns = {k: [e[k] for e in examples for _ in range(G)] for k in examples[0] if k != "question"}
-        # a part of the step's wall time of its own (`timing/rewards`), when the loop's thread runs the rollout
-        with self.clock("rewards") if threading.current_thread() is threading.main_thread() else contextlib.nullcontext():
+        with self.clock("rewards"):   # a part of the step of its own (`timing/rewards`; on the loop's thread only)
             total, _, reward_metrics = compute_rewards(self.rewards, [e["question"] for e in examples for _ in range(G)],
                                                        r.text, columns, timeout_s=cfg.reward_timeout_s,
                                                        isolation=cfg.reward_isolation)

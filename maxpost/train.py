@@ -276,11 +276,12 @@ def check_memory(label: str, compiled, knobs: str) -> str:
 
 # %% ../nbs/08_train.ipynb
 class Clock:
-    "Wall seconds per named part of the loop: `with clock('input'): ...` adds to 'input' (a part inside another is taken out of the outer one); `take()` returns the parts so far and starts again."
-    def __init__(self): self.parts, self.spans, self._inner = {}, [], []
+    "Wall seconds per named part of the loop: `with clock('input'): ...` adds to 'input' (a part inside another is taken out of the outer one); `take()` returns the parts so far and starts again. Only the thread that made the clock (the loop's) is timed: work on another thread (a rollout producer) is not the loop's wall time."
+    def __init__(self): self.parts, self.spans, self._inner, self._thread = {}, [], [], threading.get_ident()
 
     @contextlib.contextmanager
     def __call__(self, name: str):
+        if threading.get_ident() != self._thread: yield self; return
         t, w = time.perf_counter(), time.time()
         self._inner.append(0.0)
         try: yield self
@@ -355,23 +356,27 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, setup: Setup | None = None):
         "`setup` (chapter `07b_policy`): the mesh, tokenizer and models the command built; default `setup_run(cfg)`, the policy alone."
-        if not hasattr(self, "clock"):   # a subclass that builds its setup first starts the clock (and `started`) itself
-            self.clock, self.started = Clock(), time.time()  # `started`: the end of start-up (process start to here)
+        self.clock, self.started = Clock(), time.time()      # `started`: the end of start-up (process start to here)
         compile_watch(); use_compilation_cache(cfg)           # before the first compilation
         precheck_run_dir(cfg)
         if setup is None:
             if not cfg.dataset_name:
                 from maxpost.tasks import prepare_embedded_task
                 with self.clock("data"): prepare_embedded_task(cfg)     # written once; setup_run reads it
-            with self.clock("weights"): setup = setup_run(cfg)
+            with self.clock("weights"): setup = setup_run(cfg, **self.setup_options(cfg))
         self.cfg, s = cfg, setup
         self.mesh, self.tokenizer, self.tok_dir, self.model_cfg = s.mesh, s.tokenizer, s.tokenizer_dir, s.model.cfg
+        self.models = {k: m for k, m in s.models.items() if k != "policy"}   # what a kind loaded besides (a teacher)
         with self.clock("weights"):
             self.weights: TrainableWeights = trainable_weights(cfg, self.mesh)   # every weight, or LoRA (07b_policy)
             self.graphdef, self.params, self.rest = self.weights.split(s.model)
             self.tx, self.schedule = make_optimizer(cfg), make_schedule(cfg)
             self.opt_state = init_opt_state(self.tx, self.params, self.mesh)
         self.step, self.latest_checkpoint, self.flops_per_token = 0, None, None
+
+    def setup_options(self, cfg: TrainConfig) -> dict:
+        "What `setup_run` is given beyond `cfg` when the trainer builds its own setup: a kind that loads more models (a teacher) or keeps devices aside (rollouts) says so here."
+        return {}
 
     @property
     def lora_base(self) -> dict | None:
@@ -472,10 +477,10 @@ class _Timing:
         tr, clock = self.tr, self.tr.clock
         timed = logging or self.first is None
         with tr.non_logging_guard() if tr.non_logging_guard and not logging else contextlib.nullcontext():
-            if timed: jax.block_until_ready(tr.params); t0, c0 = time.perf_counter(), sum(clock.parts.values())
+            if timed: jax.block_until_ready(tr.params); t0, w0, c0 = time.perf_counter(), time.time(), sum(clock.parts.values())
             m = tr.train_step()
             if timed: jax.block_until_ready(m); self.device = time.perf_counter() - t0 - (sum(clock.parts.values()) - c0)
-            if self.first is None: self.first_run = (time.time() - (time.perf_counter() - t0), sum(clock.parts.values()) - c0)
+            if self.first is None: self.first_began = w0   # the first step's run: its wall interval
             pending.append((tr.step + 1, m["loss"], m.pop("params_finite", True)))
             tr.step += 1; self.tokens += m.pop("num_tokens", 0); self.steps += 1
         if self.first is None: self.first, self.includes_first = _first_step(self, time.time()), True
@@ -520,9 +525,8 @@ def _first_step(self: _Timing, end: float) -> dict:
            "compile": w.seconds(tr.started, end), "compiles": w.programs(tr.started, end),
            "memory_check": own("memory_check"), "first_eval": own("eval"), "resume": own("checkpoint"),
            "logger": own("log"), "total": end - start}
-    began, inner = self.first_run                     # the first step's own run: its wall, less its compilation and
-    out["first_run"] = end - began - inner - w.seconds(began, end)   # the parts clocked inside it (memory check, input)
-    out["first_run"] += parts.get("input", 0.0)       # its input is part of its run
+    began = self.first_began                          # the first step's own run (its input included), less its
+    out["first_run"] = end - began - w.seconds(began, end) - tr.clock.parts.get("memory_check", 0.0)   # compile, check
     out["other"] = out["total"] - sum(v for k, v in out.items() if k not in ("compiles", "total"))
     return out
 
