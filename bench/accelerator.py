@@ -4,7 +4,7 @@ One process, one script (a GPU lease here is a few minutes, compile included): J
 chip, one SFT train step (`make_sft_step`: fp32 parameters and AdamW state, bf16 compute, global-norm clipping,
 random full batch), then `generate` with bf16 weights at each batch size (P prompt tokens, T new tokens, temperature
 1, EOS disabled), and with `--hf` transformers' `generate` on the same chip in bf16 (torch, sdpa attention) as the
-peer. MFU of the SFT step is given against both the spec peak (`maxpost.train.PEAK_BF16_FLOPS`) and the measured
+peer. MFU of the SFT step is given against both the spec peak (`maxpost.timing.PEAK_BF16_FLOPS`) and the measured
 matmul peak; for decoding, which reads every weight once a step, the table gives the fraction of the chip's memory
 bandwidth that the bf16 weights alone would take (`--hbm-tbs`).
 
@@ -41,7 +41,7 @@ def matmul_peak(n: int, reps: int) -> float:
 
 def sft_row(mcfg, a) -> dict:
     from maxpost.model import num_params
-    from maxpost.train import flops_per_token, device_peak_flops
+    from maxpost.timing import flops_per_token, device_peak_flops
     one = common.maxpost_sft_step(mcfg, a.batch, a.seq, LR, CLIP)
     t0 = time.perf_counter(); sync(one()); first = time.perf_counter() - t0
     times, m = common.timed(one, warmup=1, reps=a.reps, sync=sync)

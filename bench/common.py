@@ -53,8 +53,8 @@ def param_count(shape: str) -> int:
 
 
 def train_flops_per_token(shape: str, seq_len: int) -> float:
-    "Training FLOPs per token of a bench shape, by the same formula as the trainers' MFU (maxpost.train)."
-    from maxpost.train import flops_per_token
+    "Training FLOPs per token of a bench shape, by the same formula as the trainers' MFU (maxpost.timing)."
+    from maxpost.timing import flops_per_token
     return flops_per_token(maxpost_config(shape), seq_len)
 
 

@@ -12,7 +12,7 @@ after its last: greedy pass@1 on the same 128 held-out problems as `real_model.p
 runs under GNU `/usr/bin/time -v` and is skipped when its `.time` file exists (a finished earlier run).
 
 FLOPs are counted analytically, as in the README's distillation table: 2N per sampled token, 2N per scoring pass,
-6N per trained token, with N the model's parameters (`flops_per_token / 6` of maxpost.train, attention included),
+6N per trained token, with N the model's parameters (`flops_per_token / 6` of maxpost.timing, attention included),
 over the tokens each run logged (prompt and completion; `tokens_per_s` x `timing/step` of every step). GRPO (beta 0,
 one update per batch): sampling, the old-policy pass and the update; distillation: sampling, the teacher's pass and
 the student's update.
@@ -50,7 +50,7 @@ def logged_tokens(run: Path, batch: int = 0) -> tuple[float, float]:
 def n_params(model_path: Path) -> float:
     "N of `flops_per_token` (6N + attention) / 6 for the model at `model_path` (a Hugging Face directory)."
     from maxpost.checkpoint import hf_config_to_model_config
-    from maxpost.train import flops_per_token
+    from maxpost.timing import flops_per_token
     cfg = hf_config_to_model_config(json.loads((Path(model_path) / "config.json").read_text()))
     seq = int(rm.COMMON["max_prompt_length"]) + int(rm.COMMON["max_completion_length"])
     return flops_per_token(cfg, seq) / 6

@@ -24,7 +24,8 @@ from .distill_loss import (TOPK_TAILS, completion_distill_loss, completion_hidde
 from .evaluate import load_eval_examples, evaluate, eval_options, held_out_table
 from .tasks import check_held_out, embedded_split
 from .policy import Setup, setup_run, command_config
-from .train import Trainer, flops_per_token, print_summary
+from .timing import flops_per_token
+from .train import Trainer, print_summary
 from .step import make_update_step
 
 def _patch(f):

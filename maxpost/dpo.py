@@ -22,7 +22,8 @@ from .preference_loss import LOSS_TYPES, preference_loss, sequence_logps, REFERE
 from .tasks import prepare_embedded_task, check_held_out
 from .evaluate import load_eval_examples, evaluate, eval_options, held_out_table
 from .policy import Setup
-from .train import Trainer, train_command, flops_per_token
+from .timing import flops_per_token
+from .train import Trainer, train_command
 from .step import make_update_step, ReferencePolicy
 
 # %% auto 0

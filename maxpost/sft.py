@@ -17,7 +17,8 @@ from .data import DATA_FORMATS, TRAIN_ON, make_sft_iterator, check_examples
 from .sft_loss import model_sft_loss, target_weights, summarize_metrics
 from .tasks import embedded_split, check_held_out
 from .policy import Setup, command_config
-from .train import Trainer, Prefetcher, flops_per_token, print_summary
+from .timing import flops_per_token
+from .train import Trainer, Prefetcher, print_summary
 from .step import make_update_step, split_micro_batches
 from .evaluate import eval_config_for, load_eval_examples, run_evaluation
 

@@ -10,7 +10,7 @@ from maxpost.config import load_config, run_dir, ConfigError
 from maxpost.model import get_model_config, create_model
 from maxpost.sft import make_sft_step, train_sft
 from maxpost.sft_loss import sft_loss
-from maxpost.train import make_optimizer
+from maxpost.optimizer import make_optimizer
 from maxpost.rundir import read_metrics
 from maxpost.checkpoint import checkpoint_manager, restore_state
 from maxpost import sharding

@@ -175,7 +175,7 @@ def test_a_shell_that_execs_maxpost_late_does_not_lend_it_its_start(tmp_path):
     """`bash -c 'a && b && maxpost rl'` execs its last command: the process's start in /proc is the shell's, minutes
     before Python ran (a fresh clone's main job reported 724 s of 'startup' that were pip and SFT). The start is then
     the import of maxpost's first module; without a shell in front it is the process's own start."""
-    code = ("import time; from maxpost.train import process_start_time; from maxpost.config import _IMPORTED; "
+    code = ("import time; from maxpost.timing import process_start_time; from maxpost.config import _IMPORTED; "
             "print(time.time() - process_start_time(), _IMPORTED - process_start_time())")
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     late = subprocess.run(["bash", "-c", f"sleep 7 && exec {sys.executable} -c '{code}'"], capture_output=True, text=True,
