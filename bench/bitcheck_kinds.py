@@ -13,7 +13,7 @@ bench/bitcheck.py counts as time). Every other value must be identical, not clos
 
     python bench/bitcheck_kinds.py --before /tmp/i48-before --after . [--before-dir DIR] [--keep]
 
-`--before-dir` reuses the before-runs kept by an earlier call (`--keep`). Exit 0 when every record agrees.
+`--before-dir` / `--after-dir` reuse the runs kept by an earlier call (`--keep`). Exit 0 when every record agrees.
 """
 from __future__ import annotations
 import argparse, shutil, subprocess, sys, tempfile
@@ -35,11 +35,12 @@ def main(argv=None) -> int:
     ap.add_argument("--before", type=Path, required=True, help="the checkout before the change")
     ap.add_argument("--after", type=Path, required=True, help="the checkout after the change")
     ap.add_argument("--before-dir", type=Path, help="the before-runs kept by an earlier call (skips running before)")
+    ap.add_argument("--after-dir", type=Path, help="the after-runs kept by an earlier call (skips running after)")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
     a = ap.parse_args(argv)
     bitcheck.RUNS[:] = KIND_RUNS
-    bases = {"before": a.before_dir.resolve()} if a.before_dir else {}
+    bases = {s: d.resolve() for s, d in (("before", a.before_dir), ("after", a.after_dir)) if d}
     try:
         for side, checkout in (("before", a.before.resolve()), ("after", a.after.resolve())):
             if side in bases: print(f"{side} = the runs under {bases[side]}"); continue
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
         if a.keep: print("run directories:", *bases.values())
         else:
             for side, d in bases.items():
-                if not (side == "before" and a.before_dir): shutil.rmtree(d, ignore_errors=True)
+                if not {"before": a.before_dir, "after": a.after_dir}[side]: shutil.rmtree(d, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from flax import nnx
 from .config import ConfigError, register_kind, run_dir
 from . import sharding
 from .policy import Setup
-from .train import train_command
+from .commands import start_trainer, train_command
 from .evaluate import held_out_table
 from .rl import RLConfig, RLTrainer, SamplerEngine
 
@@ -88,10 +88,11 @@ class AsyncRLTrainer(RLTrainer):
     "`RLTrainer` whose rollouts come from a `RolloutProducer` thread when `max_staleness` > 0 (k = 0: `RLTrainer.train_step` itself)."
     asynchronous = True
 
-    def setup_options(self, cfg: RLConfig) -> dict:
+    @classmethod
+    def setup_options(cls, cfg: RLConfig) -> dict:
         return dict(devices=split_devices(cfg)[0])   # the trainer's mesh leaves out the rollouts' devices
 
-    def __init__(self, cfg: RLConfig, setup: Setup | None = None, **kw):
+    def __init__(self, cfg: RLConfig, setup: Setup, **kw):
         super().__init__(cfg, setup, **kw)
         self.producer, self.consumed_data_state, self.rollout_rest = None, None, None
         _, devices = split_devices(cfg)   # the trainer's mesh (self.mesh) holds the others
@@ -144,7 +145,7 @@ class AsyncRLTrainer(RLTrainer):
 # %% ../nbs/15c_async.ipynb
 def train_async_rl(cfg: RLConfig, *, progress: bool = True, reward_fns=None) -> dict:
     "Run (or resume) RL as configured, rollouts overlapped with updates when `max_staleness` > 0; returns the final metrics."
-    return AsyncRLTrainer(cfg, reward_fns=reward_fns).fit(progress=progress)
+    return start_trainer(AsyncRLTrainer, cfg, reward_fns=reward_fns).fit(progress=progress)
 
 def main(argv=None) -> int:
     "`maxpost rl [base.yml] key=value ...`: the run, then its held-out table from the first evaluation to the last."

@@ -23,9 +23,10 @@ from .distill_loss import (TOPK_TAILS, completion_distill_loss, completion_hidde
                                   reverse_kl_advantages)
 from .evaluate import load_eval_examples, evaluate, eval_options, held_out_table
 from .tasks import check_held_out, embedded_split
-from .policy import Setup, setup_run, command_config
+from .policy import Setup, setup_run
 from .timing import flops_per_token
-from .train import Trainer, print_summary
+from .train import Trainer
+from .commands import command_config, print_summary, start_trainer
 from .step import make_update_step
 
 def _patch(f):
@@ -228,9 +229,9 @@ def offline_path(cfg: DistillConfig) -> Path:
     "Where the teacher's top-k file is: `offline_path`, else `{run_dir}/teacher_topk.npz`."
     return Path(os.path.expanduser(cfg.offline_path)) if cfg.offline_path else run_dir(cfg) / "teacher_topk.npz"
 
-def write_teacher_topk(cfg: DistillConfig, setup: Setup | None = None, *, progress: bool = True) -> Path:
+def write_teacher_topk(cfg: DistillConfig, setup: Setup | None = None, *, progress: bool = True, announce: bool = False) -> Path:
     "`maxpost distill write-topk`: the teacher's top-`offline_k` log-probs at every token of `offline_examples` completions (dataset or teacher samples, `completion_source`) of the training prompts in the trainer's order, written once to `offline_path(cfg)` with the prompts and completions."
-    s = setup if setup is not None else setup_run(cfg, models=teacher_models(dataclasses.replace(cfg, mode="supervised")))
+    s = setup if setup is not None else setup_run(cfg, models=teacher_models(dataclasses.replace(cfg, mode="supervised")), announce=announce)
     teacher = s.models["teacher"]
     check_teacher_vocab(s.model.cfg.vocab_size, teacher.cfg.vocab_size, cfg.teacher_path)
     B, n = cfg.global_batch_size, cfg.offline_examples or cfg.steps * cfg.global_batch_size
@@ -273,9 +274,10 @@ class DistillTrainer(Trainer):
                     "global_batch_size, a shorter max_prompt_length or max_completion_length, mode=offline (no teacher "
                     "in memory), or more devices (fsdp_parallelism)")
 
-    def setup_options(self, cfg: DistillConfig) -> dict: return dict(models=teacher_models(cfg))
+    @classmethod
+    def setup_options(cls, cfg: DistillConfig) -> dict: return dict(models=teacher_models(cfg))
 
-    def __init__(self, cfg: DistillConfig, setup: Setup | None = None, *, progress: bool = True):
+    def __init__(self, cfg: DistillConfig, setup: Setup, *, progress: bool = True):
         super().__init__(cfg, setup)              # with no setup given: `setup_options` adds the teacher
         self.progress, self.teacher_result = progress, None
         with self.clock("data"):   # the held-out check, the prompts (or the offline file) and the held-out problems
@@ -359,17 +361,17 @@ def _restore_data(self: DistillTrainer, state: dict) -> None: self.order.restore
 # %% ../nbs/15d_distill.ipynb
 def train_distill(cfg: DistillConfig, *, progress: bool = True) -> dict:
     "Run (or resume) distillation as configured; returns the final metrics."
-    return DistillTrainer(cfg, progress=progress).fit(progress=progress)
+    return start_trainer(DistillTrainer, cfg, progress=progress).fit(progress=progress)
 
 def main(argv=None) -> int:
     "`maxpost distill [base.yml] key=value ...`: the run, then the held-out table (the teacher's pass@1 beside it); `maxpost distill write-topk ...` writes the teacher's top-k file for mode=offline."
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["write-topk"]:
         cfg = command_config("distill", argv[1:])
-        print(f"wrote the teacher's top-{cfg.offline_k} log-probs to {write_teacher_topk(cfg)}")
+        print(f"wrote the teacher's top-{cfg.offline_k} log-probs to {write_teacher_topk(cfg, announce=True)}")
         return 0
     cfg = command_config("distill", argv)
-    tr = DistillTrainer(cfg)
+    tr = start_trainer(DistillTrainer, cfg, announce=True)
     out = tr.fit()
     t = tr.teacher_result or {}
     print_summary(out, cfg, held_out_table(run_dir(cfg)),

@@ -23,7 +23,8 @@ from .tasks import prepare_embedded_task, check_held_out
 from .evaluate import load_eval_examples, evaluate, eval_options, held_out_table
 from .policy import Setup
 from .timing import flops_per_token
-from .train import Trainer, train_command
+from .train import Trainer
+from .commands import start_trainer, train_command
 from .step import make_update_step, ReferencePolicy
 
 # %% auto 0
@@ -308,7 +309,7 @@ class DPOTrainer(Trainer):
     summary_keys = ("loss", "rewards/accuracies", "rewards/margins")
     progress_keys = ("loss", "rewards/margins", "eval_rewards/accuracies", "pass@1")
 
-    def __init__(self, cfg: DPOConfig, setup: Setup | None = None, *, progress: bool = True):
+    def __init__(self, cfg: DPOConfig, setup: Setup, *, progress: bool = True):
         super().__init__(cfg, setup)
         self.progress = progress
         with self.clock("data"): check_held_out(cfg)
@@ -413,7 +414,7 @@ class DPOTrainer(Trainer):
 # %% ../nbs/15b_dpo.ipynb
 def train_dpo(cfg: DPOConfig, *, progress: bool = True) -> dict:
     "Run (or resume) preference training as configured; returns the final metrics."
-    return DPOTrainer(cfg, progress=progress).fit(progress=progress)
+    return start_trainer(DPOTrainer, cfg, progress=progress).fit(progress=progress)
 
 def main(argv=None) -> int:
     "`maxpost dpo [base.yml] key=value ...`: the run, then its held-out table from the first evaluation to the last."

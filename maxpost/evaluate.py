@@ -14,7 +14,8 @@ import numpy as np
 from .config import (RunConfig, QAConfig, GenerationConfig, ConfigError, default_base, eval_source, key,
                             load_config, register_kind, run_dir)
 from .tasks import embedded_split
-from .policy import command_config, setup_run
+from .policy import setup_run
+from .commands import command_config
 from .rundir import MetricsLogger, RunLock, read_metrics
 from .rewards import extract_answer, answers_match, format_reward, format_reward_for, gsm8k_gold, check_gold_answers
 from .prompts import prompt_token_ids, stop_token_ids
@@ -281,7 +282,7 @@ def eval_dir(cfg: RunConfig) -> Path:
     return run_dir(dataclasses.replace(cfg, run_name=f"{name}-{digest}"))
 
 # %% ../nbs/14_evaluate.ipynb
-def run_evaluation(cfg: EvalConfig, *, progress: bool = False) -> dict:
+def run_evaluation(cfg: EvalConfig, *, progress: bool = False, announce: bool = False) -> dict:
     "Evaluate the policy at `cfg.load_parameters_path`; log a kind='eval' record and write eval.json under `eval_dir(cfg)`."
     import jax
     if not cfg.load_parameters_path:
@@ -289,7 +290,7 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = False) -> dict:
                           "checkpoints/<step> directories, or a Hugging Face directory)")
     out_dir, primary = eval_dir(cfg), jax.process_index() == 0
     with RunLock(out_dir, enabled=primary):
-        s, examples = setup_run(cfg), load_eval_examples(cfg)
+        s, examples = setup_run(cfg, announce=announce), load_eval_examples(cfg)
         with jax.set_mesh(s.mesh):
             res = held_out_metrics(cfg, s.model, s.tokenizer, examples, return_completions=True)
         completions, step = res.pop("completions"), _checkpoint_step(cfg.load_parameters_path)
@@ -308,7 +309,7 @@ def run_evaluation(cfg: EvalConfig, *, progress: bool = False) -> dict:
 def main(argv=None) -> int:
     "`maxpost eval [base.yml] key=value ...`"
     cfg = command_config("eval", argv)
-    res = run_evaluation(cfg)
+    res = run_evaluation(cfg, announce=True)
     print(format_table({_label(cfg.load_parameters_path): res}))
     print(f"eval record: {eval_dir(cfg) / 'eval.json'}")
     return 0

@@ -4,15 +4,14 @@
 
 # %% ../nbs/07b_policy.ipynb 4
 from __future__ import annotations
-import dataclasses, json, os, sys, tempfile
+import dataclasses, json, os, sys
 from pathlib import Path
 from typing import Any, Callable
 
 import jax, jax.numpy as jnp
 from flax import nnx
 
-import yaml
-from .config import RunConfig, TrainConfig, ConfigError, effective_config, kind_of, load_config, split_base, run_dir
+from .config import RunConfig, TrainConfig, ConfigError, effective_config, run_dir
 from . import sharding, tasks, model as mm
 from .checkpoint import checkpoint_manager, restore_state, save_hf, checkpoint_size, describe_size
 from .lora import adapters_off, save_merged_hf, save_adapter
@@ -22,8 +21,7 @@ __all__ = ['INPUT_KEYS', 'make_run_mesh', 'model_options', 'set_model_options', 
            'find_run_checkpoint', 'read_model_config', 'load_policy', 'lora_options', 'attach_adapters',
            'check_lora_base', 'adapter_base', 'lora_run_config', 'load_lora_run', 'tokenizer_dir', 'check_vocab',
            'missing_inputs', 'check_inputs', 'start_line', 'Setup', 'use_compilation_cache', 'setup_run',
-           'given_explicitly', 'default_start_problem', 'output_problem', 'command_config', 'TrainableWeights',
-           'FullWeights', 'LoRAWeights', 'trainable_weights']
+           'TrainableWeights', 'FullWeights', 'LoRAWeights', 'trainable_weights']
 
 # %% ../nbs/07b_policy.ipynb
 def make_run_mesh(cfg: RunConfig, devices=None) -> jax.sharding.Mesh:
@@ -223,8 +221,6 @@ def check_inputs(cfg: RunConfig) -> RunConfig:
 
 
 # %% ../nbs/07b_policy.ipynb
-_ANNOUNCE: set[int] = set()   # ids of the configs `command_config` made (below): their `setup_run` prints the start line
-
 def start_line(cfg: RunConfig, model: nnx.Module) -> str:
     "One line on where a command starts: the checkpoint and its size on disk (or a random preset), the parameters, and the run directory."
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -242,6 +238,8 @@ class Setup:
     tokenizer: Any
     tokenizer_dir: Path
     models: dict
+    clock: Any = None              # a command's setup (`start_trainer`, chapter 08c_commands): the clock that timed it
+    started: float | None = None   # and when the command began (`time.time()`): the end of start-up
 
     @property
     def model(self) -> nnx.Module:
@@ -254,58 +252,23 @@ def use_compilation_cache(cfg: RunConfig) -> Path | None:
     if not where: return None
     return sharding.enable_compilation_cache(None if where == "auto" else where)
 
-def setup_run(cfg: RunConfig, *, devices=None, models: dict[str, str] | None = None, announce: bool | None = None) -> Setup:
-    "The mesh (over `devices`, default all), the tokenizer and the policy of `cfg` on the mesh, and each model of `models` (name -> checkpoint path, loaded as `load_parameters_path` is); the tokenizer checked against every model. `announce` (default: for a command's config) prints `start_line`."
+def setup_run(cfg: RunConfig, *, devices=None, models: dict[str, str] | None = None, task: dict | None = None,
+              announce: bool = False) -> Setup:
+    "The mesh (over `devices`, default all), the tokenizer and the policy of `cfg` on the mesh, and each model of `models` (name -> checkpoint path, loaded as `load_parameters_path` is); the tokenizer checked against every model. `task`: the embedded task as the caller prepared it (default: prepared here when `cfg` trains on it); `announce` (a command's setup) prints `start_line`."
     from maxpost.data import load_tokenizer
     use_compilation_cache(cfg)   # every command (eval too), before its first compilation
     check_inputs(cfg)
     mesh = make_run_mesh(cfg, devices)
-    default = None if cfg.dataset_name else tasks.prepare_embedded_task(cfg)["tokenizer"]
+    default = None if cfg.dataset_name else (task if task is not None else tasks.prepare_embedded_task(cfg))["tokenizer"]
     tok_dir = tokenizer_dir(cfg, default)
     tokenizer = load_tokenizer(tok_dir)
     loaded = {"policy": load_policy(cfg, mesh)}
     for name, path in (models or {}).items():
         loaded[name] = load_policy(dataclasses.replace(cfg, load_parameters_path=path, model_overrides={}), mesh)
     for m in loaded.values(): check_vocab(tokenizer, m.cfg)
-    if (id(cfg) in _ANNOUNCE if announce is None else announce) and jax.process_index() == 0:
+    if announce and jax.process_index() == 0:
         print(start_line(cfg, loaded["policy"]), file=sys.stderr, flush=True)
     return Setup(mesh, tokenizer, tok_dir, loaded)
-
-# %% ../nbs/07b_policy.ipynb
-def given_explicitly(key: str, base, overrides) -> bool:
-    "Whether the command line sets `key`: as an override, or in the user's own YAML `base` (not the kind's default one)."
-    if any(o.split("=", 1)[0].strip().lstrip("+") == key for o in overrides): return True
-    if base in (None, "default"): return False
-    try: return key in (yaml.safe_load(Path(base).read_text()) or {})
-    except (OSError, yaml.YAMLError, TypeError): return False
-
-def default_start_problem(cfg: RunConfig, explicit: bool) -> str | None:
-    "Why a run on data other than the embedded task must not start from the base config's default checkpoint (the embedded task's toy SFT model), or None."
-    if explicit or not getattr(cfg, "dataset_name", "") or not cfg.load_parameters_path: return None
-    return (f"dataset_name={cfg.dataset_name!r} is not the embedded task, but load_parameters_path was not given and "
-            f"defaults to {cfg.load_parameters_path!r}, the toy model `maxpost sft` trains on the embedded task; give "
-            f"load_parameters_path= explicitly: your model's directory (or load_parameters_path={cfg.load_parameters_path} "
-            "to start from the toy model anyway)")
-
-def output_problem(cfg: RunConfig) -> str | None:
-    "Why `base_output_directory` cannot take a new file (tried in its nearest existing directory), or None."
-    d = Path(os.path.expanduser(cfg.base_output_directory or "."))
-    while not d.exists() and d != d.parent: d = d.parent
-    try: tempfile.TemporaryFile(dir=d).close()
-    except OSError as e:
-        return (f"base_output_directory={cfg.base_output_directory!r} cannot be written ({d}: {e.strerror or e}); "
-                "give base_output_directory= a directory you can write to")
-    return None
-
-# %% ../nbs/07b_policy.ipynb
-def command_config(kind, argv=None) -> RunConfig:
-    "The config of `kind` (a registered kind or its name) from a command line `[base.yml] key=value ...` (default: `sys.argv[1:]`): input paths, the starting checkpoint of own data and the output directory checked first."
-    base, overrides = split_base(sys.argv[1:] if argv is None else argv)
-    cfg = check_inputs(load_config(kind, overrides, base=base))
-    for problem in (default_start_problem(cfg, given_explicitly("load_parameters_path", base, overrides)), output_problem(cfg)):
-        if problem: raise ConfigError(problem)
-    _ANNOUNCE.add(id(cfg))
-    return cfg
 
 # %% ../nbs/07b_policy.ipynb
 class TrainableWeights:

@@ -28,6 +28,7 @@ from .environments import (EpisodeConfig, Episodes, episode_limits, episode_prob
 from .tasks import check_held_out
 from .policy import Setup
 from .train import Trainer
+from .commands import start_trainer
 from .step import make_update_step, ReferencePolicy
 
 # %% auto 0
@@ -274,7 +275,7 @@ class RLTrainer(Trainer):
     asynchronous = False   # max_staleness > 0 needs a trainer that overlaps rollouts with updates (chapter 15c)
     progress_keys = ("loss", "reward", "pass@1")
 
-    def __init__(self, cfg: RLConfig, setup: Setup | None = None, *, reward_fns=None, engine: RolloutEngine | None = None):
+    def __init__(self, cfg: RLConfig, setup: Setup, *, reward_fns=None, engine: RolloutEngine | None = None):
         if cfg.max_staleness and not self.asynchronous:
             raise ConfigError(f"max_staleness={cfg.max_staleness} needs maxpost.async_rl.AsyncRLTrainer (what `maxpost rl` "
                               "runs); RLTrainer is the synchronous loop (max_staleness=0)")
@@ -431,4 +432,4 @@ RLTrainer.episode_rollout = _episode_rollout
 # %% ../nbs/15_rl.ipynb
 def train_rl(cfg: RLConfig, *, progress: bool = True, reward_fns=None) -> dict:
     "Run (or resume) RL as configured; returns the final metrics."
-    return RLTrainer(cfg, reward_fns=reward_fns).fit(progress=progress)
+    return start_trainer(RLTrainer, cfg, reward_fns=reward_fns).fit(progress=progress)

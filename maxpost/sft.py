@@ -16,9 +16,10 @@ from .model import LOGITS_CHUNK_SIZE
 from .data import DATA_FORMATS, TRAIN_ON, make_sft_iterator, check_examples
 from .sft_loss import model_sft_loss, target_weights, summarize_metrics
 from .tasks import embedded_split, check_held_out
-from .policy import Setup, command_config
+from .policy import Setup
 from .timing import flops_per_token
-from .train import Trainer, Prefetcher, print_summary
+from .train import Trainer, Prefetcher
+from .commands import command_config, print_summary, start_trainer
 from .step import make_update_step, split_micro_batches
 from .evaluate import eval_config_for, load_eval_examples, run_evaluation
 
@@ -108,7 +109,7 @@ class SFTTrainer(Trainer):
     kind, summary_keys = "sft", ("loss", "mean_token_accuracy")
     progress_keys = ("loss", "eval_loss")
 
-    def __init__(self, cfg: SFTConfig, setup: Setup | None = None, *, progress: bool = True):
+    def __init__(self, cfg: SFTConfig, setup: Setup, *, progress: bool = True):
         super().__init__(cfg, setup)
         _check_batch(cfg, self.mesh)
         with self.clock("data"):
@@ -153,7 +154,7 @@ class SFTTrainer(Trainer):
 # %% ../nbs/14c_sft.ipynb
 def train_sft(cfg: SFTConfig, *, progress: bool = True) -> dict:
     "Run (or resume) SFT as configured; returns the final metrics. Writes everything under run_dir(cfg)."
-    return SFTTrainer(cfg, progress=progress).fit(progress=progress)
+    return start_trainer(SFTTrainer, cfg, progress=progress).fit(progress=progress)
 
 # %% ../nbs/14c_sft.ipynb
 def held_out_after_sft(cfg: SFTConfig) -> dict | None:
@@ -172,7 +173,7 @@ def held_out_after_sft(cfg: SFTConfig) -> dict | None:
 def main(argv=None) -> int:
     "`maxpost sft [base.yml] key=value ...`: train, then greedy pass@1 on held-out problems (`held_out_after_sft`), then the summary."
     cfg = command_config("sft", argv)
-    out = train_sft(cfg)
+    out = start_trainer(SFTTrainer, cfg, announce=True).fit()
     res = None if out.get("already_finished") else held_out_after_sft(cfg)   # a finished run was checked when it finished
     if res: out |= {"held_out_pass@1": res["pass@1"], "held_out_format_rate": res["format_rate"]}
     print_summary(out, cfg)

@@ -13,10 +13,10 @@ from flax import nnx
 from omegaconf import OmegaConf
 
 from .config import (RunConfig, TrainConfig, ConfigError, REMAT_POLICIES, derived_defaults, effective_config,
-                            kind_of, resumable_keys, run_dir, to_yaml)
-from .checkpoint import checkpoint_manager, save_limit_gb, save_state, restore_state, checkpoint_size, describe_size
-from .policy import (Setup, TrainableWeights, command_config, model_options, read_model_config, set_model_options,
-                            setup_run, trainable_weights, use_compilation_cache)
+                            resumable_keys, run_dir, to_yaml)
+from .checkpoint import checkpoint_manager, save_limit_gb, save_state, restore_state
+from .policy import (Setup, TrainableWeights, model_options, read_model_config, set_model_options, trainable_weights,
+                            use_compilation_cache)
 from .rundir import RunLock, MetricsLogger, as_scalar, read_metrics
 from .timing import Clock, StepTiming, compile_watch, device_peak_flops, timing_lines
 from .memory import MemoryShortfall, check_memory, memory_needed   # memory_needed: 03c_lora's check imports it from here
@@ -24,7 +24,7 @@ from .optimizer import make_optimizer, make_schedule, init_opt_state
 
 # %% auto 0
 __all__ = ['check_finite', 'config_changes', 'check_resume', 'precheck_run_dir', 'RunCheckpoints', 'StopSignal', 'RunStopped',
-           'StepCompiler', 'Trainer', 'Prefetcher', 'print_summary', 'train_command']
+           'StepCompiler', 'Trainer', 'Prefetcher']
 
 # %% ../nbs/08_train.ipynb
 def check_finite(step: int, loss: float, params_finite, latest_checkpoint: int | None, where) -> None:
@@ -183,16 +183,12 @@ class Trainer:
     progress_keys = ("loss",)   # the metrics the progress bar shows; a kind adds its own (eval_loss, reward, pass@1)
     non_logging_guard = None    # a context manager (factory) each step that logs nothing runs in: a check that it fetches nothing
 
-    def __init__(self, cfg: TrainConfig, setup: Setup | None = None):
-        "`setup` (chapter `07b_policy`): the mesh, tokenizer and models the command built; default `setup_run(cfg)`, the policy alone."
-        self.clock, self.started = Clock(), time.time()      # `started`: the end of start-up (process start to here)
+    def __init__(self, cfg: TrainConfig, setup: Setup):
+        "`setup` (chapter `07b_policy`): the mesh, tokenizer and models the command built and hands over (`start_trainer`, chapter `08c_commands`), with the clock that timed it; a setup built by hand (`setup_run(cfg)`) starts a clock here."
+        self.clock = setup.clock if setup.clock is not None else Clock()
+        self.started = setup.started if setup.started is not None else time.time()   # the end of start-up (process start to here)
         compile_watch(); use_compilation_cache(cfg)           # before the first compilation
         precheck_run_dir(cfg)
-        if setup is None:
-            if not cfg.dataset_name:
-                from maxpost.tasks import prepare_embedded_task
-                with self.clock("data"): prepare_embedded_task(cfg)     # written once; setup_run reads it
-            with self.clock("weights"): setup = setup_run(cfg, **self.setup_options(cfg))
         self.cfg, s = cfg, setup
         self.mesh, self.tokenizer, self.tok_dir, self.model_cfg = s.mesh, s.tokenizer, s.tokenizer_dir, s.model.cfg
         self.models = {k: m for k, m in s.models.items() if k != "policy"}   # what a kind loaded besides (a teacher)
@@ -203,8 +199,9 @@ class Trainer:
             self.opt_state = init_opt_state(self.tx, self.params, self.mesh)
         self.step, self.latest_checkpoint, self.flops_per_token = 0, None, None
 
-    def setup_options(self, cfg: TrainConfig) -> dict:
-        "What `setup_run` is given beyond `cfg` when the trainer builds its own setup: a kind that loads more models (a teacher) or keeps devices aside (rollouts) says so here."
+    @classmethod
+    def setup_options(cls, cfg: TrainConfig) -> dict:
+        "What `setup_run` is given beyond `cfg` when a command builds this kind's setup (`start_trainer`): a kind that loads more models (a teacher) or keeps devices aside (rollouts) says so here."
         return {}
 
     @property
@@ -385,21 +382,3 @@ class Prefetcher:
             try: self._q.get(timeout=0.05)
             except queue.Empty: pass
         self._thread = None
-
-# %% ../nbs/08_train.ipynb
-def print_summary(out: dict, cfg: RunConfig, *lines: str | None) -> None:
-    "One line of final metrics, then the kind's own `lines` (those that are not None), then where the run wrote."
-    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in out.items() if k not in ("kind", "already_finished")))
-    for line in lines:
-        if line: print(line)
-    d = run_dir(cfg)
-    size = f" (its newest checkpoint: {describe_size(checkpoint_size(d))} on disk)" if (d / "checkpoints").is_dir() else ""
-    print(f"run directory: {d}{size}")
-
-def train_command(kind, argv=None, *, report=None) -> int:
-    "`maxpost <kind> [base.yml] key=value ...` for a training kind: its config, its trainer's `fit`, the summary with the lines `report(cfg, out)` returns; exit code 0."
-    kind = kind_of(kind)
-    cfg = command_config(kind, argv)
-    out = kind.trainer(cfg).fit()
-    print_summary(out, cfg, *(report(cfg, out) if report is not None else ()))
-    return 0

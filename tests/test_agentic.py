@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from maxpost.config import ConfigError, load_config
+from maxpost.commands import start_trainer
 from maxpost.rl import RLTrainer
 from maxpost.rundir import read_metrics
 
@@ -95,7 +96,7 @@ class _Replay:
 def test_the_replayed_episodes_reach_the_environment(tmp_path):
     cfg = load_config("rl", [f"base_output_directory={tmp_path}", "run_name=e", "steps=1", "eval_num_prompts=2",
                              "environment=test_agentic:_Echo", *SMALL])
-    tr = RLTrainer(cfg, engine=_Replay())
+    tr = start_trainer(RLTrainer, cfg, engine=_Replay())
     info = tr.update(tr.rollout())
     assert info["episodes/turns"] == 2 and info["episodes/env_errors"] == 0 and info["rewards/environment/mean"] == 1.0
 
@@ -105,7 +106,7 @@ def test_a_crashing_environment_never_stops_the_run(tmp_path, factory):
     "Every episode's environment fails: each scores 0 and trains nothing, the failures are counted, and the run finishes."
     cfg = load_config("rl", [f"base_output_directory={tmp_path}", "run_name=c", "steps=2", "eval_num_prompts=2",
                              f"environment=test_agentic:{factory}", *SMALL])
-    out = RLTrainer(cfg, engine=_Replay()).fit(progress=False)
+    out = start_trainer(RLTrainer, cfg, engine=_Replay()).fit(progress=False)
     assert out["step"] == 2
     train = read_metrics(tmp_path / "c", "train")
     assert len(train) == 2
@@ -115,7 +116,7 @@ def test_a_crashing_environment_never_stops_the_run(tmp_path, factory):
 
 def test_an_environment_that_is_not_a_factory_is_refused(tmp_path):
     cfg = load_config("rl", [f"base_output_directory={tmp_path}", "run_name=n", "environment=test_agentic:SMALL", *SMALL])
-    with pytest.raises(ConfigError, match="not a factory"): RLTrainer(cfg)
+    with pytest.raises(ConfigError, match="not a factory"): start_trainer(RLTrainer, cfg)
 
 
 def test_tutorial_quick_mode_shows_an_episode_before_and_after_rl(tmp_path):
@@ -141,7 +142,7 @@ def test_episodes_under_gspo_lora_and_stale_rollouts(tmp_path, extra):
     from maxpost.async_rl import AsyncRLTrainer
     cfg = load_config("rl", [f"base_output_directory={tmp_path}", "run_name=u", "steps=2", "eval_num_prompts=2",
                              "environment=test_agentic:_Echo", *SMALL, *extra])
-    tr = AsyncRLTrainer(cfg, engine=_Replay())
+    tr = start_trainer(AsyncRLTrainer, cfg, engine=_Replay())
     assert tr.fit(progress=False)["step"] == 2
     train = read_metrics(tmp_path / "u", "train")
     assert [m["step"] for m in train] == [1, 2]

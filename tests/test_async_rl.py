@@ -7,6 +7,7 @@ from pathlib import Path
 import jax, jax.numpy as jnp, numpy as np, pytest
 
 from maxpost.config import load_config, ConfigError
+from maxpost.commands import start_trainer
 from maxpost import sharding
 from maxpost.rl import RLTrainer, SamplerEngine
 from maxpost.async_rl import AsyncRLTrainer, RolloutProducer
@@ -91,7 +92,7 @@ def test_rollouts_on_devices_of_their_own(tmp_path):
     """rollout_devices=4 of 8: the trainer's weights live on devices 0-3 only, the producer's snapshot on 4-7 only (a
     copy off the trainer's devices), and sampling there gives the completions and log-probs that the trainer's own
     mesh gives from the same weights, prompts and seed (data-parallel sampling changes nothing but where it runs)."""
-    tr = AsyncRLTrainer(cfg_of(tmp_path, "split", "steps=2", "max_staleness=1", "rollout_devices=4"), reward_fns=LENGTH)
+    tr = start_trainer(AsyncRLTrainer, cfg_of(tmp_path, "split", "steps=2", "max_staleness=1", "rollout_devices=4"), reward_fns=LENGTH)
     try:
         tr.fit(progress=False)                       # a step moves the weights, so the copy has something to carry
         devices = lambda tree: {d.id for x in jax.tree.leaves(tree) for d in x.devices()}
@@ -152,7 +153,7 @@ def test_k1_trains_end_to_end_with_the_correction(tmp_path):
 
 
 def test_the_synchronous_trainer_refuses_a_staleness(tmp_path):
-    with pytest.raises(ConfigError, match="AsyncRLTrainer"): RLTrainer(cfg_of(tmp_path, "s", "max_staleness=1"))
+    with pytest.raises(ConfigError, match="AsyncRLTrainer"): start_trainer(RLTrainer, cfg_of(tmp_path, "s", "max_staleness=1"))
     with pytest.raises(ConfigError, match="set rollout_devices=0"): cfg_of(tmp_path, "v", "max_staleness=1",
                                                                           "rollout_engine=vllm", "rollout_devices=4")
     with pytest.raises(ConfigError, match="set max_staleness >= 1"): cfg_of(tmp_path, "d", "rollout_devices=4")
@@ -182,7 +183,7 @@ def test_a_killed_k1_run_resumes_consistently(tmp_path):
     assert sorted(first) == [1, 2, 3]
     per_step, pos2 = 8 // 4, meta(run, 2)["data"]["position"]    # prompts per rollout; checkpoint 2's position
     assert pos2 == per_step * (2 + first[2]["async/dropped"])
-    tr = AsyncRLTrainer(cfg_of(tmp_path, "r", *extra), reward_fns=LENGTH)
+    tr = start_trainer(AsyncRLTrainer, cfg_of(tmp_path, "r", *extra), reward_fns=LENGTH)
     assert tr.fit(progress=False)["step"] == 5
     rec = read_metrics(run, "train")
     assert [r["step"] for r in rec] == [1, 2, 3, 4, 5]         # step 3 of the killed run replaced by the rerun's

@@ -6,6 +6,7 @@ import numpy as np, pytest
 
 from maxpost import tasks
 from maxpost.dpo import encode_pair, embedded_pair, extract_prompt, preference_batch
+from maxpost.commands import start_trainer
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ def test_at_initialisation_loss_is_log2_and_the_margin_gradient_is_minus_half_be
     independently, one reply at a time."""
     cfg = load_config("dpo", [f"base_output_directory={tmp_path}", "run_name=init", f"beta={beta}",
                               "global_batch_size=4", *TINY], base=None)
-    tr = DPOTrainer(cfg, progress=False)
+    tr = start_trainer(DPOTrainer, cfg, progress=False)
     tr.tx = optax.sgd(1.0); tr.opt_state = tr.tx.init(tr.params); tr.build_steps()
     b = tr.batch_of(tr.train_data, [5, 2, 7, 1])
     p0 = jax.tree.map(np.asarray, tr.params)
@@ -98,7 +99,7 @@ def test_lora_reference_is_the_base_with_adapters_off(tmp_path):
     log-probs: at initialisation the loss is log 2."""
     cfg = load_config("dpo", [f"base_output_directory={tmp_path}", "run_name=lora", "lora_rank=4",
                               "global_batch_size=4", *TINY], base=None)
-    tr = DPOTrainer(cfg, progress=False)
+    tr = start_trainer(DPOTrainer, cfg, progress=False)
     assert all(not np.asarray(x).any() for x in jax.tree.leaves(tr.ref_params))
     n_ref = sum(np.size(x) for x in jax.tree.leaves(tr.ref_params))
     assert n_ref < sum(np.size(x) for x in jax.tree.leaves(tr.rest)) / 4        # adapter-sized, no base copy
@@ -148,7 +149,7 @@ def test_matches_trl_dpo_trainer(tmp_path):
                               "lr_schedule=constant", "warmup_steps=0", "weight_decay=0", "max_grad_norm=1.0",
                               f"beta={opt['beta']}", "max_prompt_length=256", "max_completion_length=256",
                               "eval_num_prompts=0", f"steps={TRL_STEPS}"], base=None)
-    ours = DPOTrainer(cfg, progress=False)
+    ours = start_trainer(DPOTrainer, cfg, progress=False)
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)

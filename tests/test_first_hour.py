@@ -45,7 +45,7 @@ def test_own_data_with_the_default_toy_checkpoint_is_refused(tmp_path, kind):
 
 
 def test_an_explicit_start_is_accepted_on_the_command_line_or_in_a_base(tmp_path):
-    from maxpost.policy import command_config
+    from maxpost.commands import command_config
     from maxpost.config import ConfigError
     (tmp_path / "embedded-sft").mkdir()
     args = [f"base_output_directory={tmp_path}", f"dataset_name={own_data(tmp_path)}"]
@@ -66,7 +66,8 @@ def test_every_command_names_its_starting_checkpoint_its_size_and_the_run_direct
     from flax import nnx
     from maxpost.checkpoint import save_hf
     from maxpost.model import create_model, get_model_config
-    from maxpost.policy import command_config, setup_run
+    from maxpost.policy import setup_run
+    from maxpost.commands import command_config
     from maxpost.tasks import build_tokenizer
     from maxpost.config import load_config
     hf = tmp_path / "hf"
@@ -75,7 +76,7 @@ def test_every_command_names_its_starting_checkpoint_its_size_and_the_run_direct
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     args = [f"base_output_directory={tmp_path}", "run_name=mine", f"load_parameters_path={hf}"]
     capsys.readouterr()
-    setup_run(command_config("sft", args))
+    setup_run(command_config("sft", args), announce=True)   # what a command's setup prints
     err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("start:")]
     size = files_bytes(hf) / 2**20
     assert err == [f"start: checkpoint {hf} ({size:.1f} MiB on disk), {n / 1e6:.2f} M parameters; "

@@ -8,6 +8,7 @@ import jax, jax.numpy as jnp, numpy as np, pytest
 from flax import nnx
 
 from maxpost.config import load_config, run_dir, ConfigError
+from maxpost.commands import start_trainer
 from maxpost.checkpoint import load_hf, checkpoint_manager, restore_state
 from maxpost.policy import attach_adapters
 from maxpost.lora import add_lora, load_adapter, merge_lora, split_adapters, LORA_TARGETS
@@ -48,7 +49,7 @@ def trained(tmp_path_factory):
     base = _hf_base(tmp / "base")
     cfg = load_config("sft", [f"base_output_directory={tmp}", "run_name=sft_lora", f"load_parameters_path={base}",
                               "steps=3", "lora_rank=4", "lora_alpha=8", "save_adapter=true", "save_hf=true", *SMALL])
-    tr = SFTTrainer(cfg, progress=False)
+    tr = start_trainer(SFTTrainer, cfg, progress=False)
     rest0 = [np.asarray(x) for x in jax.tree.leaves(tr.rest)]
     tr.fit(progress=False)
     return tr, cfg, base, rest0
@@ -150,7 +151,7 @@ def test_rl_reference_is_the_base_without_a_copy(tmp_path):
                              "lora_rank=2", "beta=0.04", "global_batch_size=4", "num_generations=2",
                              "max_prompt_length=64", "max_completion_length=8", "reward_isolation=thread",
                              "eval_num_prompts=2", "eval_k=0", "steps=1"])
-    tr = RLTrainer(cfg)
+    tr = start_trainer(RLTrainer, cfg)
     adapter_bytes = sum(x.nbytes for x in jax.tree.leaves(tr.params))
     assert sum(x.nbytes for x in jax.tree.leaves(tr.ref_params)) == adapter_bytes
     assert adapter_bytes < min(x.nbytes for x in jax.tree.leaves(tr.rest) if x.ndim >= 2)

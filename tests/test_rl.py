@@ -7,6 +7,7 @@ import jax, jax.numpy as jnp, numpy as np, pytest
 from flax import nnx
 
 from maxpost.config import load_config, run_dir, ConfigError
+from maxpost.commands import start_trainer
 from maxpost.rl import RLTrainer, train_rl
 from maxpost.rundir import read_metrics
 from maxpost.checkpoint import checkpoint_manager, restore_state
@@ -27,7 +28,7 @@ from rewards_for_tests import boom, length_reward   # no JAX there: reward worke
 
 def test_a_reward_function_that_raises_does_not_stop_the_run(tmp_path):
     cfg = rl_cfg(tmp_path, "steps=2")
-    tr = RLTrainer(cfg, reward_fns=[(length_reward, 1.0, "length"), (boom, 1.0, "boom")])
+    tr = start_trainer(RLTrainer, cfg, reward_fns=[(length_reward, 1.0, "length"), (boom, 1.0, "boom")])
     infos = [tr.update(tr.rollout()) for _ in range(2)]
     for info in infos:
         assert info["rewards/boom/failures"] == cfg.global_batch_size
@@ -35,8 +36,8 @@ def test_a_reward_function_that_raises_does_not_stop_the_run(tmp_path):
 
 
 def test_beta_zero_builds_no_reference_model(tmp_path):
-    assert RLTrainer(rl_cfg(tmp_path, "beta=0")).ref_params is None
-    tr = RLTrainer(rl_cfg(tmp_path, "beta=0.1"), reward_fns=[(length_reward, 1.0, "length")])  # never all-equal rewards
+    assert start_trainer(RLTrainer, rl_cfg(tmp_path, "beta=0")).ref_params is None
+    tr = start_trainer(RLTrainer, rl_cfg(tmp_path, "beta=0.1"), reward_fns=[(length_reward, 1.0, "length")])  # never all-equal rewards
     assert tr.ref_params is not None
     for a, b in zip(jax.tree.leaves(tr.ref_params), jax.tree.leaves(tr.params)): np.testing.assert_array_equal(a, b)
     info = tr.update(tr.rollout())
@@ -51,14 +52,14 @@ def test_the_format_reward_is_the_prompt_templates(tmp_path):
     completion that ends "The answer is 7." is well formed (it has none of the gsm8k template's tags)."""
     from maxpost.rewards import plain_format_reward, format_reward
     by_name = lambda tr: {s.name: s.fn for s in tr.rewards}
-    assert by_name(RLTrainer(rl_cfg(tmp_path / "a", "prompt_template=plain")))["format"] is plain_format_reward
-    assert by_name(RLTrainer(rl_cfg(tmp_path / "b")))["format"] is format_reward
+    assert by_name(start_trainer(RLTrainer, rl_cfg(tmp_path / "a", "prompt_template=plain")))["format"] is plain_format_reward
+    assert by_name(start_trainer(RLTrainer, rl_cfg(tmp_path / "b")))["format"] is format_reward
 
 
 def test_pi_old_is_the_policy_that_generated_the_rollouts(tmp_path):
     # mu = 2 passes over one mini-batch: the policy moves after the first pass
     cfg = rl_cfg(tmp_path, "num_iterations=2", "learning_rate=3e-3", "advantage_scale=none")
-    tr = RLTrainer(cfg, reward_fns=[(length_reward, 1.0, "length")])
+    tr = start_trainer(RLTrainer, cfg, reward_fns=[(length_reward, 1.0, "length")])
     init = jax.tree.map(jnp.copy, tr.params)
     for step in range(2):
         before = jax.tree.map(jnp.copy, tr.params)          # the policy that generates this step's rollouts
@@ -134,8 +135,8 @@ def test_papermill_rl_run(tmp_path):
 def test_remat_update_equals_the_plain_update(tmp_path):
     """remat_policy=full recomputes each layer in the backward; the update (prompts run once per group through a
     KV cache, a KL term to the reference) must move the weights exactly as without it."""
-    plain = RLTrainer(rl_cfg(tmp_path / "a", "beta=0.04"))
-    remat = RLTrainer(rl_cfg(tmp_path / "b", "beta=0.04", "remat_policy=full"))
+    plain = start_trainer(RLTrainer, rl_cfg(tmp_path / "a", "beta=0.04"))
+    remat = start_trainer(RLTrainer, rl_cfg(tmp_path / "b", "beta=0.04", "remat_policy=full"))
     assert (plain.model_cfg.remat, remat.model_cfg.remat) == ("none", "full")
     batch = plain.rollout()
     a, b = plain.update(batch), remat.update(batch)
@@ -147,7 +148,7 @@ def test_remat_update_equals_the_plain_update(tmp_path):
 def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
     """issue 21, item 6: ids past the embedding table used to become NaN and a misleading 'non-finite loss'."""
     with pytest.raises(ConfigError, match="embeddings"):
-        RLTrainer(rl_cfg(tmp_path, "model_overrides={vocab_size: 64}"))
+        start_trainer(RLTrainer, rl_cfg(tmp_path, "model_overrides={vocab_size: 64}"))
 
 
 def _gsm8k_file(path, n, offset=0):
@@ -185,7 +186,7 @@ def test_every_rl_key_is_read_by_the_run(tmp_path):
                                 "num_iterations=2", "beta=0.04", "max_prompt_length=64", "max_completion_length=8",
                                 "eval_interval=1", "eval_num_prompts=4", "eval_k=2", "log_period=1",
                                 "checkpoint_period=1", "save_hf=true", "warmup_steps=1", "lr_schedule=linear"], base=None)
-    out = RLTrainer(cfg).fit(progress=False)
+    out = start_trainer(RLTrainer, cfg).fit(progress=False)
     assert out["step"] == 2 and (tmp_path / "walk" / "hf" / "config.json").exists()   # save_hf honoured by RL
     # the asynchronous loop's keys (weight_sync_steps) are read only with max_staleness >= 1: one step of it too
     from maxpost.async_rl import AsyncRLTrainer
@@ -194,7 +195,7 @@ def test_every_rl_key_is_read_by_the_run(tmp_path):
                                  "steps=1", "global_batch_size=4", "num_generations=2", "max_prompt_length=64",
                                  f"eval_dataset_name={held}", "eval_split=train", "max_completion_length=8",
                                  "max_staleness=1", "weight_sync_steps=1"], base=None)
-    assert AsyncRLTrainer(acfg).fit(progress=False)["step"] == 1
+    assert start_trainer(AsyncRLTrainer, acfg).fit(progress=False)["step"] == 1
     # the episode keys (max_turns, max_turn_tokens, max_episode_tokens) are read only with environment=: a step of it
     ecfg = load_config(Tracked, [f"base_output_directory={tmp_path}", "run_name=walk_env", "load_parameters_path=",
                                  f"tokenizer_path={tok}", "model_overrides={num_layers: 1}", f"dataset_name={train}",
@@ -202,7 +203,7 @@ def test_every_rl_key_is_read_by_the_run(tmp_path):
                                  f"eval_dataset_name={held}", "eval_split=train", "eval_num_prompts=2", "eval_k=0",
                                  "max_completion_length=8", "environment=calculator", "max_turns=2",
                                  "max_turn_tokens=6", "max_episode_tokens=16"], base=None)
-    assert RLTrainer(ecfg).fit(progress=False)["step"] == 1
+    assert start_trainer(RLTrainer, ecfg).fit(progress=False)["step"] == 1
     # embedded_task is read where the data is the embedded task (dataset_name=""): which variant's files it uses
     from maxpost.tasks import embedded_task_dir
     embedded_task_dir(load_config(Tracked, [f"base_output_directory={tmp_path}", "run_name=walk_task", "embedded_task=calculator"], base=None))
@@ -251,7 +252,7 @@ def test_the_default_on_maxposts_sampler_is_todays_loop(tmp_path):
     own forward pass, and is rounding (float32: far below TRL's healthy 0.01)."""
     cfg = rl_cfg(tmp_path, "beta=0")                 # (beta > 0 would run the reference's log-prob pass)
     assert cfg.importance_sampling_mode == "none"
-    tr = RLTrainer(cfg, reward_fns=[(length_reward, 1.0, "length")])
+    tr = start_trainer(RLTrainer, cfg, reward_fns=[(length_reward, 1.0, "length")])
     calls = []
     tr.logps_fn = lambda *a: calls.append(1)
     info = tr.update(tr.rollout())
@@ -265,8 +266,8 @@ def test_the_correction_weights_the_loss_against_pi_prox(tmp_path):
     term by min(pi_prox / mu, C) with no gradient: an exact sampler (mu = pi_prox) gives weights of exactly 1 and the
     loss and update of plain GRPO; a known log-prob gap d per token gives weights min(e^d, C) and the loss
     token-mean(-A w) (the on-policy ratio is 1), as the formula says."""
-    plain = RLTrainer(rl_cfg(tmp_path / "p", "advantage_scale=none", "beta=0"), reward_fns=[(length_reward, 1.0, "length")])
-    fixed = RLTrainer(rl_cfg(tmp_path / "c", "advantage_scale=none", "beta=0", "importance_sampling_mode=token_truncate"),
+    plain = start_trainer(RLTrainer, rl_cfg(tmp_path / "p", "advantage_scale=none", "beta=0"), reward_fns=[(length_reward, 1.0, "length")])
+    fixed = start_trainer(RLTrainer, rl_cfg(tmp_path / "c", "advantage_scale=none", "beta=0", "importance_sampling_mode=token_truncate"),
                       reward_fns=[(length_reward, 1.0, "length")])
     ro = plain.rollout()
     with jax.set_mesh(plain.mesh):                    # the trainer's own pass, on the batch sharded as it shards it
@@ -280,7 +281,7 @@ def test_the_correction_weights_the_loss_against_pi_prox(tmp_path):
     np.testing.assert_allclose(info_c["loss"], info_p["loss"], rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(info_c["grad_norm"], info_p["grad_norm"], rtol=1e-4)
     # a known gap: d in [-1.5, 1.5] per token, so that some weights pass C = 3 (e^1.5 = 4.5) and are truncated
-    tr = RLTrainer(rl_cfg(tmp_path / "d", "advantage_scale=none", "beta=0", "importance_sampling_mode=token_truncate"),
+    tr = start_trainer(RLTrainer, rl_cfg(tmp_path / "d", "advantage_scale=none", "beta=0", "importance_sampling_mode=token_truncate"),
                    reward_fns=[(length_reward, 1.0, "length")])
     ro = tr.rollout()
     with jax.set_mesh(tr.mesh): prox = np.asarray(tr.logps_fn(tr.params, tr.rest, shard_batch(ro["batch"], tr.mesh)))
@@ -300,7 +301,7 @@ def test_stale_weights_show_a_large_logp_difference(tmp_path):
     extra = ("warmup_steps=0", "learning_rate=3e-3", "advantage_scale=none")
     diffs = {}
     for name in ("healthy", "stale"):
-        tr = RLTrainer(rl_cfg(tmp_path / name, *extra), reward_fns=[(length_reward, 1.0, "length")])
+        tr = start_trainer(RLTrainer, rl_cfg(tmp_path / name, *extra), reward_fns=[(length_reward, 1.0, "length")])
         if name == "stale": tr.engine = StaleEngine(tr)
         diffs[name] = [tr.update(tr.rollout())["sampling/sampling_logp_difference/mean"] for _ in range(3)]
     assert diffs["stale"][0] == pytest.approx(diffs["healthy"][0], abs=1e-5)   # before the first update both are fresh
@@ -312,7 +313,7 @@ def test_a_bf16_sampler_run_logs_the_correction(tmp_path):
     TRL's default) goes end to end and logs TRL's sampling metrics every step; the gap is bf16's, well above
     float32 rounding, and the weights spread around 1."""
     cfg = rl_cfg(tmp_path, "steps=2", "importance_sampling_mode=sequence_mask")
-    tr = RLTrainer(cfg, reward_fns=[(length_reward, 1.0, "length")])
+    tr = start_trainer(RLTrainer, cfg, reward_fns=[(length_reward, 1.0, "length")])
     tr.engine = RoundedEngine(tr)
     assert tr.fit(progress=False)["step"] == 2
     recs = list(read_metrics(tmp_path / "t", "train"))
@@ -400,7 +401,7 @@ def test_one_grpo_update_matches_trl_grpo_trainer(tmp_path):
                                  "warmup_steps=0", "weight_decay=0", "max_grad_norm=1.0", "max_prompt_length=96",
                                  "max_completion_length=12", "train_split=train[:64]", "eval_interval=0",
                                  "eval_num_prompts=0", f"steps={o['steps']}", "seed=3"], base=None)
-        return RLTrainer(cfg, reward_fns=[(lambda prompts, completions, **kw: [0.0] * len(completions), 1.0, "zero")])
+        return start_trainer(RLTrainer, cfg, reward_fns=[(lambda prompts, completions, **kw: [0.0] * len(completions), 1.0, "zero")])
 
     def theirs_trainer():
         torch.manual_seed(0)

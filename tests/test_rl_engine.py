@@ -5,6 +5,7 @@ import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 
 from maxpost.config import load_config, run_dir
+from maxpost.commands import start_trainer
 from maxpost.rl import RLTrainer, RolloutEngine
 from maxpost.sampling import Rollout
 from maxpost.rundir import read_metrics
@@ -48,7 +49,7 @@ def test_the_rl_loop_drives_a_scripted_engine(tmp_path):
                              "reward_isolation=thread"])
     engine = ScriptedEngine()
     assert isinstance(engine, RolloutEngine)
-    tr = RLTrainer(cfg, reward_fns=[(starts_with_seven, 1.0, "seven")], engine=engine)
+    tr = start_trainer(RLTrainer, cfg, reward_fns=[(starts_with_seven, 1.0, "seven")], engine=engine)
     engine.tok = tr.tokenizer
     init = jax.tree.map(jnp.copy, tr.params)
     tr.fit(progress=False)

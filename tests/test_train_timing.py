@@ -7,6 +7,7 @@ from pathlib import Path
 import jax, jax.numpy as jnp, numpy as np, optax, pytest
 
 from maxpost.config import load_config, run_dir, TrainConfig
+from maxpost.commands import start_trainer
 from maxpost.rundir import read_metrics
 from maxpost.sft import SFTTrainer, sft_data
 from maxpost.train import Trainer, Prefetcher
@@ -22,7 +23,7 @@ FIRST_PARTS = ("startup", "data", "weights", "compile", "memory_check", "first_e
 def test_the_parts_add_up_to_the_wall_step_and_to_the_first_step(tmp_path):
     cfg = load_config("sft", [f"base_output_directory={tmp_path}", "run_name=t", "steps=7", "log_period=3",
                               "checkpoint_period=2", "eval_interval=3", *SMALL])
-    tr = SFTTrainer(cfg, progress=False)
+    tr = start_trainer(SFTTrainer, cfg, progress=False)
     tr.fit(progress=False)
     recs = read_metrics(run_dir(cfg), "train")
     assert [r["step"] for r in recs] == [3, 6, 7]
@@ -161,7 +162,7 @@ def test_rl_rewards_are_a_part_of_the_step_of_their_own(tmp_path):
                              "global_batch_size=8", "num_generations=4", "mini_batch_size=0", "max_prompt_length=64", "max_completion_length=8",
                              "eval_interval=0", "eval_num_prompts=0", "train_split=train[:32]", "log_period=1", "steps=3",
                              "reward_isolation=thread"])
-    RLTrainer(cfg, reward_fns=[(slow_length_reward, 1.0, "length")]).fit(progress=False)
+    start_trainer(RLTrainer, cfg, reward_fns=[(slow_length_reward, 1.0, "length")]).fit(progress=False)
     for r in read_metrics(run_dir(cfg), "train")[1:]:       # past the step that compiled
         assert r["timing/rewards"] >= 0.3, r
         parts = sum(r[f"timing/{k}"] for k in (*STEP_PARTS, "rewards"))
