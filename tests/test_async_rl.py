@@ -130,7 +130,7 @@ def test_k1_trains_end_to_end_with_the_correction(tmp_path):
     rounding between sampler and trainer, one of lag 1 a real difference."""
     cfg = cfg_of(tmp_path, "k1", "steps=5", "max_staleness=1")
     assert cfg.importance_sampling_mode == "token_truncate"
-    tr = Recording(cfg, reward_fns=LENGTH)
+    tr = start_trainer(Recording, cfg, reward_fns=LENGTH)
     out = tr.fit(progress=False)
     assert out["step"] == 5 and tr.producer is None            # closed
     rec = read_metrics(tmp_path / "k1", "train")
@@ -177,7 +177,7 @@ def test_a_killed_k1_run_resumes_consistently(tmp_path):
     are lost, the producer restarts from the checkpointed weights) and finishes. One record per step; each checkpoint's
     prompt position counts the rollouts trained on or dropped, never the ones still queued or under way."""
     run, extra = tmp_path / "r", ["steps=5", "max_staleness=1", "checkpoint_period=2"]
-    with pytest.raises(Killed): KilledAfter(cfg_of(tmp_path, "r", *extra), reward_fns=LENGTH).fit(progress=False)
+    with pytest.raises(Killed): start_trainer(KilledAfter, cfg_of(tmp_path, "r", *extra), reward_fns=LENGTH).fit(progress=False)
     assert sorted(int(d.name) for d in (run / "checkpoints").iterdir() if d.name.isdigit()) == [2]
     first = {r["step"]: r for r in read_metrics(run, "train")}
     assert sorted(first) == [1, 2, 3]

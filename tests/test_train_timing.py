@@ -74,7 +74,7 @@ class Guarded(SFTTrainer):
 def test_a_step_that_logs_nothing_makes_no_device_to_host_transfer(tmp_path):
     # the one checkpoint (step 8) is written after the last guarded step: its background write reads the arrays
     base = [f"base_output_directory={tmp_path}", "log_period=4", "checkpoint_period=100", "steps=8", *SMALL]
-    tr = Guarded(load_config("sft", [*base, "run_name=g"]), progress=False)
+    tr = start_trainer(Guarded, load_config("sft", [*base, "run_name=g"]), progress=False)
     out = tr.fit(progress=False)                      # steps 1-3 and 5-7 ran under the guard and fetched nothing
     assert out["step"] == 8 and [r["step"] for r in read_metrics(tmp_path / "g", "train")] == [4, 8]
 
@@ -117,7 +117,7 @@ def test_a_non_finite_step_between_fetches_is_named_and_nothing_is_saved_after_i
     cfg = load_config(TrainConfig, [f"base_output_directory={tmp_path}", "run_name=n", "steps=10", "log_period=5",
                                     "checkpoint_period=2", "model_overrides={num_layers: 1, d_model: 32, mlp_dim: 64}"])
     with pytest.raises(FloatingPointError, match=r"non-finite loss \(nan\) at step 3; .*\(step 2\)"):
-        NaNAtStep3(cfg).fit(progress=False)
+        start_trainer(NaNAtStep3, cfg).fit(progress=False)
     assert sorted(int(p.name) for p in (tmp_path / "n" / "checkpoints").iterdir() if p.name.isdigit()) == [2]
     assert read_metrics(tmp_path / "n", "train") == []            # nothing logged after (or at) the bad step
 
