@@ -82,7 +82,7 @@ def test_a_step_that_logs_nothing_makes_no_device_to_host_transfer(tmp_path):
         def train_step(self):
             m = super().train_step(); float(m["loss"]); return m
     with pytest.raises(Exception, match="[Dd]isallowed device-to-host transfer"):
-        Fetching(load_config("sft", [*base, "run_name=f"]), progress=False).fit(progress=False)
+        start_trainer(Fetching, load_config("sft", [*base, "run_name=f"]), progress=False).fit(progress=False)
 
 
 def test_prefetched_batches_are_the_iterator_batches_and_its_state_is_the_last_taken(tmp_path):
