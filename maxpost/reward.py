@@ -115,10 +115,10 @@ def read_reward_config(path) -> dict:
     d = json.loads((path / "config.json").read_text())
     archs = d.get("architectures") or [d.get("model_type")]
     if not any(a in _CAUSAL for a in archs):
-        what = "a causal language model" if any(a in ARCHITECTURES for a in archs) else "an unsupported architecture"
-        raise ConfigError(f"{path} holds {what} ({', '.join(map(str, archs))}) with no score head; a reward model is a sequence "
-                          f"classifier with num_labels=1 ({', '.join(SEQUENCE_CLASSIFIERS.values())}): train one with "
-                          f"`maxpost reward`, or give such a directory")
+        what = (f"a causal language model ({', '.join(map(str, archs))}) with no score head" if any(a in ARCHITECTURES for a in archs)
+                else f"{', '.join(map(str, archs))}, not a reward model maxpost reads")
+        raise ConfigError(f"{path} holds {what}; a reward model is a sequence classifier with num_labels=1 "
+                          f"({', '.join(SEQUENCE_CLASSIFIERS.values())}): train one with `maxpost reward`, or give such a directory")
     return d
 
 # %% ../nbs/15e_reward.ipynb

@@ -111,3 +111,9 @@ def test_a_classifier_of_two_labels_is_refused(tmp_path):
     cfg = CONFIGS["qwen3"](); cfg.num_labels = 2
     transformers.Qwen3ForSequenceClassification(cfg).save_pretrained(tmp_path / "two", safe_serialization=True)
     with pytest.raises(ConfigError, match=r"score.weight has shape \[2, 64\].*num_labels=1"): load_reward_hf(tmp_path / "two")
+
+
+def test_an_unsupported_architecture_is_refused_in_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertForSequenceClassification"]}))
+    with pytest.raises(ConfigError) as e: load_reward_hf(tmp_path)
+    assert len(str(e.value).splitlines()) == 1 and "BertForSequenceClassification, not a reward model" in str(e.value)
