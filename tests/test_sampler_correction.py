@@ -211,3 +211,21 @@ def test_replay_gradient_is_the_kept_softmax_gradient():
             p = np.where(kept, np.exp(z - z[kept].max()), 0.0)
             p /= p.sum()
             np.testing.assert_allclose(g[b, t], np.eye(15)[toks[b, t]] - p, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_replay_bisection_and_top_k_paths_find_the_sorted_set(seed):
+    "The bisection on the float bits and lax.top_k give the set of a full sort, with ties, zeros of both signs, -inf."
+    rng = np.random.default_rng(seed)
+    z = rng.normal(0, 3, (3, 8, 64)).astype(np.float32)
+    z[0] = np.round(z[0])                                            # many ties
+    z[1, :, :5] = 0.0; z[1, :, 5:8] = -0.0; z[2, :, :4] = -np.inf
+    n = rng.integers(1, 20, (3, 8))
+    toks = np.argsort(-z, -1)[..., 0]                                # the most likely token: always inside the set
+    srt = -np.sort(-z.astype(np.float64), -1)
+    kept = z >= np.take_along_axis(srt, n[..., None] - 1, -1)
+    zz = np.where(kept, z.astype(np.float64), -np.inf)
+    ref = np.take_along_axis(zz, toks[..., None], -1)[..., 0] - np.log(np.exp(zz - zz.max(-1, keepdims=True)).sum(-1)) - zz.max(-1)
+    for max_kept in (None, 20):
+        lp = np.asarray(replay_logps(jnp.asarray(z), jnp.asarray(toks), jnp.asarray(n), 1.0, max_kept=max_kept)[0])
+        np.testing.assert_allclose(lp, ref, atol=1e-5)
