@@ -83,7 +83,8 @@ def estimate_kl(per_token_logps: jax.Array, ref_per_token_logps: jax.Array, kl_e
 # %% ../nbs/12_policy_loss.ipynb
 def _surrogate(ratio, advantages, per_token_logps, valid, loss_algo, epsilon_low, epsilon_high):
     "(per-token surrogate loss, clipped below, clipped above) [B,T]: PPO's clipped term, or CISPO's clipped weight times log pi."
-    adv_bt = advantages.astype(jnp.float32)[:, None]
+    adv = advantages.astype(jnp.float32)
+    adv_bt = adv if adv.ndim == 2 else adv[:, None]                # [B,T] per token (GAE), or [B] per completion
     lo, hi = 1.0 - epsilon_low, 1.0 + epsilon_high
     if loss_algo == "cispo":   # the weight is clipped and carries no gradient; every token keeps its log-prob's gradient
         weight = jax.lax.stop_gradient(jnp.clip(ratio, lo, hi))
@@ -107,6 +108,9 @@ def policy_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | Non
         raise ValueError(f"loss_algo='gspo' has one term per sequence; loss_agg_mode={loss_agg_mode!r} would weight "
                          "each sequence by its length. Use 'sequence-mean-token-mean', or loss_algo='gspo-token' "
                          "for a token-level aggregation.")
+    if loss_algo == "gspo" and advantages.ndim == 2:
+        raise ValueError("loss_algo='gspo' takes one advantage per completion, shape [B]; per-token advantages [B,T] "
+                         "(GAE) need loss_algo='grpo', 'gspo-token' or 'cispo'")
     if ref_per_token_logps is None and not _is_zero(beta):
         raise ValueError("beta > 0 needs ref_per_token_logps (the reference model's log-probs); "
                          "pass them, or set beta=0.0")

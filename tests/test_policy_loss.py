@@ -411,6 +411,35 @@ def test_cispo_on_policy_gradient_is_grpo_gradient():
         np.testing.assert_allclose(np.asarray(g[0]), np.asarray(g[1]), atol=1e-7)
 
 
+@pytest.mark.parametrize("loss_algo", ["grpo", "gspo-token", "cispo"])
+def test_per_token_advantages(loss_algo):
+    "Advantages [B,T] (GAE, chapter 12e), as TRL's GRPOTrainer takes them (it unsqueezes only a [B] tensor)."
+    lp, old, _, _, mask = _data(140)
+    adv_bt = np.random.default_rng(2).normal(size=lp.shape).astype(np.float32)
+    eps = dict(zip(("epsilon_low", "epsilon_high"), CISPO_EPSILONS if loss_algo == "cispo" else (0.2, 0.28)))
+    (loss, _), grad = jax.value_and_grad(lambda x: policy_loss(x, jnp.asarray(old), None, jnp.asarray(adv_bt),
+                                                               jnp.asarray(mask), loss_algo=loss_algo, **eps), has_aux=True)(jnp.asarray(lp))
+    lp64, n = lp.astype(np.float64), mask.sum()
+    if loss_algo == "cispo":
+        w = np.minimum(np.exp(lp64 - old), 1.0 + CISPO_EPSILONS[1])
+        want, want_g = (-w * adv_bt * lp64 * mask).sum() / n, -w * adv_bt * mask / n
+    else:
+        def f(x):
+            lr = np.clip(x - old, -20, 20)
+            if loss_algo == "gspo-token":   # value: the sequence's geometric-mean ratio at every token
+                lr = np.broadcast_to(((lr * mask).sum(-1) / np.maximum(mask.sum(-1), 1))[:, None], x.shape)
+            r = np.exp(lr)
+            return (np.maximum(-r * adv_bt, -np.clip(r, 0.8, 1.28) * adv_bt) * mask).sum() / n
+        want = f(lp64)
+        want_g = _fd_grad(f, lp64) if loss_algo == "grpo" else None
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5, atol=1e-6)
+    if want_g is not None:
+        np.testing.assert_allclose(np.asarray(grad), want_g, atol=2e-5)
+    with pytest.raises(ValueError, match="shape \\[B\\]"):
+        policy_loss(jnp.asarray(lp), jnp.asarray(old), None, jnp.asarray(adv_bt), jnp.asarray(mask), loss_algo="gspo",
+                    loss_agg_mode="sequence-mean-token-mean")
+
+
 def test_report_max_diffs():
     "Runs last: prints the largest differences against Tunix seen above (visible with pytest -s)."
     print("\nmax |maxpost - Tunix|:", {k: f"{v:.2e}" for k, v in MAX_DIFF.items()})
