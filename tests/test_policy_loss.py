@@ -329,8 +329,8 @@ def test_aliases_and_errors():
 
 # ----------------------------------------------------------------------------------------------------------------
 # CISPO (MiniMax-M1, 2025) against TRL's formula. TRL is not called: its `cispo` branch of
-# GRPOTrainer._compute_loss (trl/trainer/grpo_trainer.py, huggingface/trl at commit f2cd577, July 2026; the same
-# lines as the 1.16 release pinned in settings.ini's dev extra) is ported below, in NumPy for the value and in torch,
+# GRPOTrainer._compute_loss (trl/trainer/grpo_trainer.py, huggingface/trl at commit f2cd577, July 2026; not checked
+# against the 1.16 release that settings.ini's dev extra pins) is ported below, in NumPy for the value and in torch,
 # line for line, for the gradient (its clamped ratio is `.detach()`ed, which a finite difference cannot reproduce).
 # TRL's `epsilon_high` is the cap on the weight itself (TRL recommends 5.0); maxpost's is 1 + epsilon_high.
 
