@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 # %% auto 0
-__all__ = ['SCALES', 'group_advantages']
+__all__ = ['SCALES', 'ADVANTAGE_ESTIMATORS', 'group_advantages', 'rloo_advantages']
 
 # %% ../nbs/11_advantages.ipynb
 SCALES = ("group", "batch", "none")
@@ -33,3 +33,20 @@ def group_advantages(rewards: jax.Array, num_generations: int, *, scale: str = "
     if scale == "group": centred = centred / (_std(r_pg, -1, std_ddof)[:, None] + eps)
     elif scale == "batch": centred = centred / (_std(rewards, None, std_ddof) + eps)
     return centred.reshape(B)
+
+# %% ../nbs/11_advantages.ipynb
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "gae")   # group-relative (above), leave-one-out (here), GAE with a critic (12e_value)
+
+def rloo_advantages(rewards: jax.Array, num_generations: int, *, normalize_advantages: bool = False,
+                    eps: float = 1e-4) -> jax.Array:
+    "Leave-one-out advantages of `rewards` [B] (G adjacent samples per prompt): r_i minus the mean of the group's other rewards; `normalize_advantages` whitens them over the batch (TRL's RLOO)."
+    rewards = jnp.asarray(rewards, jnp.float32)
+    if rewards.ndim != 1: raise ValueError(f"rewards must have shape [B], got {rewards.shape}")
+    B, G = rewards.shape[0], num_generations
+    if G < 1 or B % G: raise ValueError(f"batch size B={B} is not a multiple of num_generations G={G}")
+    r_pg = rewards.reshape(B // G, G)
+    equal = r_pg.max(-1, keepdims=True) == r_pg.min(-1, keepdims=True)
+    baseline = (r_pg.sum(-1, keepdims=True) - r_pg) / max(G - 1, 1)
+    adv = jnp.where(equal | (G == 1), 0.0, r_pg - baseline).reshape(B)
+    if normalize_advantages: adv = (adv - adv.mean()) / (_std(adv, None, 1) + eps)
+    return adv

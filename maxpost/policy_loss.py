@@ -8,11 +8,13 @@ import jax
 import jax.numpy as jnp
 
 # %% auto 0
-__all__ = ['LOSS_ALGOS', 'LOSS_AGG_MODES', 'LOSS_AGG_ALIASES', 'LOSS_AGG_CHOICES', 'KL_ESTIMATORS', 'LOG_RATIO_CLIP',
-           'aggregate_loss', 'importance_ratio', 'estimate_kl', 'policy_loss']
+__all__ = ['LOSS_ALGOS', 'POLICY_LOSS_ALGOS', 'CISPO_EPSILONS', 'LOSS_AGG_MODES', 'LOSS_AGG_ALIASES', 'LOSS_AGG_CHOICES',
+           'KL_ESTIMATORS', 'LOG_RATIO_CLIP', 'aggregate_loss', 'importance_ratio', 'estimate_kl', 'policy_loss']
 
 # %% ../nbs/12_policy_loss.ipynb
-LOSS_ALGOS = ("grpo", "gspo", "gspo-token")
+LOSS_ALGOS = ("grpo", "gspo", "gspo-token")              # what the RL config offers today
+POLICY_LOSS_ALGOS = (*LOSS_ALGOS, "cispo")               # what `policy_loss` computes (CISPO: see below)
+CISPO_EPSILONS = (1.0, 4.0)   # CISPO's (epsilon_low, epsilon_high): no lower bound, the weight capped at 1 + 4 = 5
 LOSS_AGG_MODES = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum",
                   "sequence-mean-token-scale", "token-sum-norm")
 LOSS_AGG_ALIASES = {"seq-mean-token-sum": "sequence-mean-token-sum",          # Tunix's spellings
@@ -57,14 +59,14 @@ def aggregate_loss(per_token_loss: jax.Array, completion_mask: jax.Array, loss_a
 # %% ../nbs/12_policy_loss.ipynb
 def importance_ratio(per_token_logps: jax.Array, old_per_token_logps: jax.Array | None,
                      completion_mask: jax.Array, loss_algo: str = "grpo") -> jax.Array:
-    "Importance ratio [B,T] for each completion token: per token (grpo) or the sequence's geometric mean (gspo, gspo-token)."
-    _check("loss_algo", loss_algo, LOSS_ALGOS)
+    "Importance ratio [B,T] for each completion token: per token (grpo, cispo) or the sequence's geometric mean (gspo, gspo-token)."
+    _check("loss_algo", loss_algo, POLICY_LOSS_ALGOS)
     mask = completion_mask.astype(jnp.float32)
     lp = jnp.where(mask > 0, per_token_logps.astype(jnp.float32), 0.0)
     old = (jax.lax.stop_gradient(lp) if old_per_token_logps is None
            else jnp.where(mask > 0, old_per_token_logps.astype(jnp.float32), 0.0))
     log_ratio = jnp.clip(lp - old, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
-    if loss_algo == "grpo": return jnp.exp(log_ratio)
+    if loss_algo in ("grpo", "cispo"): return jnp.exp(log_ratio)
     seq_log_ratio = (log_ratio * mask).sum(-1, keepdims=True) / jnp.maximum(mask.sum(-1, keepdims=True), 1.0)
     if loss_algo == "gspo": return jnp.broadcast_to(jnp.exp(seq_log_ratio), lp.shape)
     return jnp.exp(lp - jax.lax.stop_gradient(lp) + jax.lax.stop_gradient(seq_log_ratio))  # gspo-token
@@ -79,44 +81,52 @@ def estimate_kl(per_token_logps: jax.Array, ref_per_token_logps: jax.Array, kl_e
     return jnp.exp(delta) - delta - 1.0
 
 # %% ../nbs/12_policy_loss.ipynb
+def _surrogate(ratio, advantages, per_token_logps, valid, loss_algo, epsilon_low, epsilon_high):
+    "(per-token surrogate loss, clipped below, clipped above) [B,T]: PPO's clipped term, or CISPO's clipped weight times log pi."
+    adv = advantages.astype(jnp.float32)
+    adv_bt = adv if adv.ndim == 2 else adv[:, None]                # [B,T] per token (GAE), or [B] per completion
+    lo, hi = 1.0 - epsilon_low, 1.0 + epsilon_high
+    if loss_algo == "cispo":   # the weight is clipped and carries no gradient; every token keeps its log-prob's gradient
+        weight = jax.lax.stop_gradient(jnp.clip(ratio, lo, hi))
+        lp = jnp.where(valid, per_token_logps.astype(jnp.float32), 0.0)
+        return -adv_bt * weight * lp, ratio < lo, ratio > hi
+    unclipped, clipped = -adv_bt * ratio, -adv_bt * jnp.clip(ratio, lo, hi)
+    is_clipped = clipped > unclipped
+    return jnp.maximum(unclipped, clipped), is_clipped & (adv_bt < 0), is_clipped & (adv_bt > 0)
+
+# %% ../nbs/12_policy_loss.ipynb
 def policy_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | None,
                 ref_per_token_logps: jax.Array | None, advantages: jax.Array, completion_mask: jax.Array, *,
                 loss_algo: str = "grpo", epsilon_low: float = 0.2, epsilon_high: float = 0.28, beta: float = 0.0,
                 kl_estimator: str = "k3", loss_agg_mode: str = "token-mean",
                 max_completion_length: int | None = None, num_tokens=None, num_sequences=None,
                 importance_weights: jax.Array | None = None) -> tuple[jax.Array, dict]:
-    "Clipped GRPO / GSPO / GSPO-token surrogate (each token's term times `importance_weights`, if given: no gradient) plus beta * KL to the reference, aggregated per `loss_agg_mode`."
-    _check("loss_algo", loss_algo, LOSS_ALGOS); _check("kl_estimator", kl_estimator, KL_ESTIMATORS)
+    "Clipped GRPO / GSPO / GSPO-token surrogate or CISPO's clipped-weight policy gradient (each token's term times `importance_weights`, if given: no gradient) plus beta * KL to the reference, aggregated per `loss_agg_mode`."
+    _check("loss_algo", loss_algo, POLICY_LOSS_ALGOS); _check("kl_estimator", kl_estimator, KL_ESTIMATORS)
     mode = _canonical_agg_mode(loss_agg_mode)
     if loss_algo == "gspo" and mode != "sequence-mean-token-mean":
         raise ValueError(f"loss_algo='gspo' has one term per sequence; loss_agg_mode={loss_agg_mode!r} would weight "
                          "each sequence by its length. Use 'sequence-mean-token-mean', or loss_algo='gspo-token' "
                          "for a token-level aggregation.")
+    if loss_algo == "gspo" and advantages.ndim == 2:
+        raise ValueError("loss_algo='gspo' takes one advantage per completion, shape [B]; per-token advantages [B,T] "
+                         "(GAE) need loss_algo='grpo', 'gspo-token' or 'cispo'")
     if ref_per_token_logps is None and not _is_zero(beta):
         raise ValueError("beta > 0 needs ref_per_token_logps (the reference model's log-probs); "
                          "pass them, or set beta=0.0")
     mask = completion_mask.astype(jnp.float32)
     valid = mask > 0
-    adv_bt = advantages.astype(jnp.float32)[:, None]
     ratio = importance_ratio(per_token_logps, old_per_token_logps, completion_mask, loss_algo)
-    unclipped = -adv_bt * ratio
-    clipped = -adv_bt * jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    per_token, low, high = _surrogate(ratio, advantages, per_token_logps, valid, loss_algo, epsilon_low, epsilon_high)
     agg = dict(max_completion_length=max_completion_length, num_tokens=num_tokens, num_sequences=num_sequences)
-    per_token = jnp.maximum(unclipped, clipped)
     if importance_weights is not None:   # the sampler correction (chapter 12c): a weight, not a path for gradients
         per_token = per_token * jax.lax.stop_gradient(jnp.asarray(importance_weights, jnp.float32))
     pg_loss = aggregate_loss(per_token, mask, mode, **agg)
     n_tokens = jnp.maximum(mask.sum() if num_tokens is None else jnp.asarray(num_tokens, jnp.float32), 1.0)
     token_mean = lambda x: jnp.where(valid, x, 0.0).sum() / n_tokens
-    is_clipped = clipped > unclipped
-    metrics = {
-        "loss/policy": pg_loss,
-        "clip_ratio/low_mean": token_mean(is_clipped & (adv_bt < 0)),
-        "clip_ratio/high_mean": token_mean(is_clipped & (adv_bt > 0)),
-        "clip_ratio/region_mean": token_mean(is_clipped),
-        "ratio/mean": token_mean(ratio), "ratio/min": jnp.where(valid, ratio, jnp.inf).min(),
-        "ratio/max": jnp.where(valid, ratio, -jnp.inf).max(),
-    }
+    metrics = {"loss/policy": pg_loss, "clip_ratio/low_mean": token_mean(low), "clip_ratio/high_mean": token_mean(high),
+               "clip_ratio/region_mean": token_mean(low | high), "ratio/mean": token_mean(ratio),
+               "ratio/min": jnp.where(valid, ratio, jnp.inf).min(), "ratio/max": jnp.where(valid, ratio, -jnp.inf).max()}
     loss = pg_loss
     if ref_per_token_logps is not None:
         lp = jnp.where(valid, per_token_logps.astype(jnp.float32), 0.0)

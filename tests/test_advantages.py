@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxpost.advantages import group_advantages
+from maxpost.advantages import group_advantages, rloo_advantages
 
 import tunix.rl.algo_core as tunix_algo  # the dev extra installs Tunix: a missing Tunix fails, never skips
 
@@ -107,3 +107,57 @@ def test_jit_matches_eager():
     for scale in ("group", "batch", "none"):
         np.testing.assert_allclose(np.asarray(f(r, 4, scale=scale)), np.asarray(group_advantages(r, 4, scale=scale)),
                                    atol=1e-6)
+
+
+# ---- RLOO against TRL's RLOOTrainer. TRL is not called: the advantage lines of RLOOTrainer._generate_and_score_completions
+# (trl/trainer/rloo_trainer.py, huggingface/trl at commit f2cd577, July 2026) and its `nanstd` (trl/trainer/utils.py)
+# are ported to NumPy below, with every reward scorable (no NaN).
+
+def _trl_nanstd(x):
+    mean = np.nanmean(x)
+    variance = np.nanmean((x - mean) ** 2)
+    count = np.sum(~np.isnan(x))
+    return np.sqrt(variance * count / (count - 1))                  # Bessel's correction
+
+
+def _trl_rloo(rewards, num_generations, normalize_advantages):
+    rewards = np.asarray(rewards, np.float64)
+    grouped_rewards = rewards.reshape(-1, num_generations)
+    scorable_counts = (~np.isnan(grouped_rewards)).sum(1, keepdims=True)
+    grouped_sum = np.nansum(grouped_rewards, 1, keepdims=True)
+    if num_generations > 1:
+        baselines = ((grouped_sum - grouped_rewards) / (scorable_counts - 1)).reshape(-1)
+        advantages = rewards - baselines
+    else:
+        advantages = np.zeros_like(rewards)
+    if normalize_advantages:
+        advantages = (advantages - np.nanmean(advantages)) / (_trl_nanstd(advantages) + 1e-4)
+    return np.nan_to_num(advantages, nan=0.0)
+
+
+def _loop_rloo(rewards, G):
+    "A plain loop: each sample minus the mean of the other samples of its group."
+    out = []
+    for i, r in enumerate(rewards):
+        others = [rewards[j] for j in range(i // G * G, i // G * G + G) if j != i]
+        out.append(r - sum(others) / len(others) if others else 0.0)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("G", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_rloo_matches_trl_and_a_loop(G, normalize, seed):
+    r = _rewards(seed, 6 * G)
+    ours = np.asarray(rloo_advantages(r, G, normalize_advantages=normalize))
+    np.testing.assert_allclose(ours, _trl_rloo(r, G, normalize), atol=2e-5)
+    if not normalize:
+        np.testing.assert_allclose(ours, _loop_rloo(r.astype(np.float64), G), atol=2e-6)
+    assert np.abs(ours).max() > 0.1 or G == 1
+
+
+def test_rloo_equal_groups_are_exactly_zero_and_in_jit():
+    r = np.array([0.3, 0.3, 0.3, 1.0, 0.0, 0.5], np.float32)
+    adv = np.asarray(jax.jit(rloo_advantages, static_argnums=1)(r, 3))
+    assert (adv[:3] == 0).all()
+    np.testing.assert_allclose(adv[3:], [1.0 - 0.25, -0.75, 0.0], atol=1e-6)

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxpost.policy_loss import (KL_ESTIMATORS, LOSS_AGG_MODES, LOSS_ALGOS, aggregate_loss, estimate_kl,
-                                 importance_ratio, policy_loss)
+from maxpost.policy_loss import (CISPO_EPSILONS, KL_ESTIMATORS, LOSS_AGG_MODES, LOSS_ALGOS, POLICY_LOSS_ALGOS,
+                                 aggregate_loss, estimate_kl, importance_ratio, policy_loss)
 
 import tunix.rl.algo_core as algo_core  # the dev extra installs Tunix: a missing Tunix fails, never skips
 from tunix.rl import common as tunix_common  # noqa: E402
@@ -263,7 +263,7 @@ def test_gspo_and_gspo_token_agree_under_sequence_mean(eps, on_policy):
         assert 0 < float(a[1]["clip_ratio/region_mean"]) < 1
 
 
-_ALL = [(a, g) for a in LOSS_ALGOS for g in LOSS_AGG_MODES if a != "gspo" or g == "sequence-mean-token-mean"]
+_ALL = [(a, g) for a in POLICY_LOSS_ALGOS for g in LOSS_AGG_MODES if a != "gspo" or g == "sequence-mean-token-mean"]
 
 
 @pytest.mark.parametrize("loss_algo,agg", _ALL)
@@ -301,7 +301,7 @@ def test_jit_matches_eager(loss_algo, agg):
 
 def test_on_policy_ratio_is_exactly_one():
     lp, _, _, adv, mask = _data(25, on_policy=True)
-    for algo in LOSS_ALGOS:
+    for algo in POLICY_LOSS_ALGOS:
         r = np.asarray(importance_ratio(jnp.asarray(lp), None, jnp.asarray(mask), algo))
         assert np.all(r[mask > 0] == 1.0)
     _, m, _ = _ours(lp, None, None, adv, mask)
@@ -325,6 +325,119 @@ def test_aliases_and_errors():
     with pytest.raises(ValueError, match="ref_per_token_logps"):
         policy_loss(*args[:2], None, *args[3:], beta=0.04)
     policy_loss(*args[:2], None, *args[3:], beta=0.0)  # no reference needed without a KL term
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CISPO (MiniMax-M1, 2025) against TRL's formula. TRL is not called: its `cispo` branch of
+# GRPOTrainer._compute_loss (trl/trainer/grpo_trainer.py, huggingface/trl at commit f2cd577, July 2026; not checked
+# against the 1.16 release that settings.ini's dev extra pins) is ported below, in NumPy for the value and in torch,
+# line for line, for the gradient (its clamped ratio is `.detach()`ed, which a finite difference cannot reproduce).
+# TRL's `epsilon_high` is the cap on the weight itself (TRL recommends 5.0); maxpost's is 1 + epsilon_high.
+
+def _trl_cispo_numpy(lp, old, ref, adv, mask, is_ratio, eps_high_trl, beta):
+    coef_1 = np.exp(lp.astype(np.float64) - old)                         # importance_sampling_level="token"
+    clamped_ratios = np.minimum(coef_1, eps_high_trl)                    # torch.clamp(coef_1, max=epsilon_high)
+    per_token_loss = -clamped_ratios * adv[:, None] * lp
+    per_token_loss = per_token_loss * is_ratio                           # vllm importance sampling correction
+    if beta != 0.0:
+        per_token_loss = per_token_loss + beta * (np.exp(ref - lp) - (ref - lp) - 1)
+    num_items_in_batch = max(mask.sum(), 1.0)                            # loss_type in ["cispo", "dapo", "vespo"]
+    return (per_token_loss * mask).sum() / num_items_in_batch
+
+
+def _trl_cispo_torch_grad(lp, old, ref, adv, mask, is_ratio, eps_high_trl, beta):
+    import torch
+    t = lambda x: torch.tensor(np.asarray(x, np.float64))
+    per_token_logps = t(lp).requires_grad_(True)
+    coef_1 = torch.exp(per_token_logps - t(old))
+    clamped_ratios = torch.clamp(coef_1, max=eps_high_trl).detach()
+    per_token_loss = -clamped_ratios * t(adv).unsqueeze(1) * per_token_logps
+    per_token_loss = per_token_loss * t(is_ratio)
+    if beta != 0.0:
+        ref_t = t(ref)
+        per_token_loss = per_token_loss + beta * (torch.exp(ref_t - per_token_logps) - (ref_t - per_token_logps) - 1)
+    loss = (per_token_loss * t(mask)).sum() / t(mask).sum().clamp(min=1.0)
+    loss.backward()
+    return per_token_logps.grad.numpy()
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("eps_high", [CISPO_EPSILONS[1], 0.28])
+@pytest.mark.parametrize("beta,weighted", [(0.0, False), (0.04, False), (0.0, True)])
+def test_cispo_matches_trl(seed, eps_high, beta, weighted):
+    lp, _, ref, adv, mask = _data(100 + seed, B=7, T=9)
+    rng = np.random.default_rng(seed)
+    old = (lp + rng.normal(0, 1.5, lp.shape)).astype(np.float32)       # far enough that many weights are capped
+    is_ratio = rng.uniform(0.2, 2.0, lp.shape).astype(np.float32) if weighted else np.ones_like(lp)
+    args = (lp, old, ref, adv, mask.astype(np.float64), is_ratio, 1.0 + eps_high, beta)
+    f = lambda x: policy_loss(x, jnp.asarray(old), jnp.asarray(ref), jnp.asarray(adv), jnp.asarray(mask),
+                              loss_algo="cispo", epsilon_low=CISPO_EPSILONS[0], epsilon_high=eps_high, beta=beta,
+                              loss_agg_mode="token-mean", importance_weights=jnp.asarray(is_ratio) if weighted else None)
+    (loss, m), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(lp))
+    np.testing.assert_allclose(float(loss), _trl_cispo_numpy(*args), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), _trl_cispo_torch_grad(*args), atol=1e-6)
+    capped = (np.exp(lp.astype(np.float64) - old) > 1.0 + eps_high) & (mask > 0)
+    assert capped.any() and (~capped & (mask > 0)).any()
+    np.testing.assert_allclose(float(m["clip_ratio/high_mean"]), capped.sum() / mask.sum(), atol=1e-6)
+    # no token's gradient is dropped by the clip: every real token with a nonzero advantage moves
+    live = (mask > 0) & (np.abs(adv)[:, None] > 1e-6)
+    assert (np.asarray(grad)[live] != 0).all() and (np.asarray(grad)[mask == 0] == 0).all()
+
+
+def test_cispo_with_a_lower_bound_and_other_aggregations():
+    "The optional lower bound raises small weights to 1 - epsilon_low; each aggregation divides as for GRPO."
+    lp, _, _, adv, mask = _data(130)
+    old = (lp + np.random.default_rng(1).normal(0, 0.8, lp.shape)).astype(np.float32)
+    w = np.clip(np.exp(lp.astype(np.float64) - old), 0.8, 1.28)
+    per_tok = np.where(mask > 0, -w * adv[:, None] * lp, 0.0)
+    for agg in LOSS_AGG_MODES:
+        loss, m, grad = _ours(lp, old, None, adv, mask, loss_algo="cispo", epsilon_low=0.2, epsilon_high=0.28,
+                              loss_agg_mode=agg)
+        np.testing.assert_allclose(float(loss), float(aggregate_loss(jnp.asarray(per_tok), jnp.asarray(mask), agg)),
+                                   rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(grad),
+                                   np.asarray(jax.grad(lambda x: aggregate_loss(x, jnp.asarray(mask), agg))(
+                                       jnp.asarray(per_tok))) * np.where(mask > 0, -w * adv[:, None], 0.0), atol=1e-6)
+    valid = mask > 0
+    low = valid & (np.exp(lp.astype(np.float64) - old) < 0.8)
+    assert low.any()
+    np.testing.assert_allclose(float(m["clip_ratio/low_mean"]), low.sum() / valid.sum(), atol=1e-6)
+
+
+def test_cispo_on_policy_gradient_is_grpo_gradient():
+    lp, _, ref, adv, mask = _data(131, on_policy=True)
+    for agg in LOSS_AGG_MODES:
+        g = [_ours(lp, None, ref, adv, mask, loss_algo=a, loss_agg_mode=agg, beta=0.02)[2] for a in ("cispo", "grpo")]
+        np.testing.assert_allclose(np.asarray(g[0]), np.asarray(g[1]), atol=1e-7)
+
+
+@pytest.mark.parametrize("loss_algo", ["grpo", "gspo-token", "cispo"])
+def test_per_token_advantages(loss_algo):
+    "Advantages [B,T] (GAE, chapter 12e), as TRL's GRPOTrainer takes them (it unsqueezes only a [B] tensor)."
+    lp, old, _, _, mask = _data(140)
+    adv_bt = np.random.default_rng(2).normal(size=lp.shape).astype(np.float32)
+    eps = dict(zip(("epsilon_low", "epsilon_high"), CISPO_EPSILONS if loss_algo == "cispo" else (0.2, 0.28)))
+    (loss, _), grad = jax.value_and_grad(lambda x: policy_loss(x, jnp.asarray(old), None, jnp.asarray(adv_bt),
+                                                               jnp.asarray(mask), loss_algo=loss_algo, **eps), has_aux=True)(jnp.asarray(lp))
+    lp64, n = lp.astype(np.float64), mask.sum()
+    if loss_algo == "cispo":
+        w = np.minimum(np.exp(lp64 - old), 1.0 + CISPO_EPSILONS[1])
+        want, want_g = (-w * adv_bt * lp64 * mask).sum() / n, -w * adv_bt * mask / n
+    else:
+        def f(x):
+            lr = np.clip(x - old, -20, 20)
+            if loss_algo == "gspo-token":   # value: the sequence's geometric-mean ratio at every token
+                lr = np.broadcast_to(((lr * mask).sum(-1) / np.maximum(mask.sum(-1), 1))[:, None], x.shape)
+            r = np.exp(lr)
+            return (np.maximum(-r * adv_bt, -np.clip(r, 0.8, 1.28) * adv_bt) * mask).sum() / n
+        want = f(lp64)
+        want_g = _fd_grad(f, lp64) if loss_algo == "grpo" else None
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5, atol=1e-6)
+    if want_g is not None:
+        np.testing.assert_allclose(np.asarray(grad), want_g, atol=2e-5)
+    with pytest.raises(ValueError, match="shape \\[B\\]"):
+        policy_loss(jnp.asarray(lp), jnp.asarray(old), None, jnp.asarray(adv_bt), jnp.asarray(mask), loss_algo="gspo",
+                    loss_agg_mode="sequence-mean-token-mean")
 
 
 def test_report_max_diffs():

@@ -122,3 +122,110 @@ def test_token_truncate_is_tunixs_sampler_is_token():
     valid = mask > 0
     np.testing.assert_allclose(np.asarray(w)[valid], tunix_w[valid], rtol=1e-6)
     np.testing.assert_allclose(float(m["sampling/importance_sampling_corrected_fraction"]), tunix_frac, rtol=1e-6)
+
+
+# ---- sampling-mask replay under top-k / top-p (issue 50, item 6)
+
+from maxpost.sampler_correction import replay_logps, sampling_mask_size
+from maxpost.sampling import sample_token_logp
+
+
+def _np_kept_set(z, temperature, top_k, top_p):
+    "NumPy, from the definitions (Hugging Face's order): scale, keep the top_k, then the smallest prefix of the sorted renormalised survivors whose mass ahead of each kept token is below top_p; ties with the last survivor kept."
+    z = np.asarray(z, np.float64) / temperature
+    order = np.argsort(-z, kind="stable")
+    srt = z[order]
+    keep = np.ones(len(z), bool) if top_k <= 0 else np.arange(len(z)) < top_k
+    p = np.exp(srt - srt[0]) * keep
+    p /= p.sum()
+    ahead = np.cumsum(p) - p
+    keep &= (ahead < top_p) | (np.arange(len(z)) == 0)
+    return z >= srt[keep].min(), z
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 5, 0.8), (0.7, 5, 0.8), (1.3, 0, 0.8), (1.0, 5, 1.0)])
+def test_replay_at_top_k_top_p_matches_numpy_and_the_sampler(temperature, top_k, top_p):
+    rng = np.random.default_rng(0)
+    B, T, V = 6, 12, 40
+    logits = rng.normal(0, 2.0, (B, T, V)).astype(np.float32)
+    toks, mu, n = [], [], []
+    for t in range(T):
+        tok, lp = sample_token_logp(jax.random.key(t), jnp.asarray(logits[:, t]), temperature, top_k, top_p)
+        toks.append(np.asarray(tok)); mu.append(np.asarray(lp))
+        n.append(np.asarray(sampling_mask_size(jnp.asarray(logits[:, t]), temperature, top_k, top_p)))
+    toks, mu, n = np.stack(toks, 1), np.stack(mu, 1), np.stack(n, 1)
+    ref_lp, ref_n, ref_mass = np.zeros((B, T)), np.zeros((B, T), int), np.zeros((B, T))
+    for b in range(B):
+        for t in range(T):
+            kept, z = _np_kept_set(logits[b, t], temperature, top_k, top_p)
+            ref_n[b, t] = kept.sum()
+            ref_lp[b, t] = z[toks[b, t]] - np.log(np.exp(z[kept]).sum())
+            ref_mass[b, t] = np.exp(z[kept]).sum() / np.exp(z).sum()
+    np.testing.assert_array_equal(n, ref_n)
+    lp, log_mass = replay_logps(jnp.asarray(logits), jnp.asarray(toks), jnp.asarray(n), temperature)
+    np.testing.assert_allclose(np.asarray(lp), ref_lp, atol=1e-5)
+    np.testing.assert_allclose(np.exp(np.asarray(log_mass)), ref_mass, atol=1e-6)
+    np.testing.assert_allclose(np.exp(np.asarray(lp) - mu), 1.0, atol=1e-5)       # the ratio to the sampler: 1
+    if top_k:
+        np.testing.assert_allclose(np.asarray(replay_logps(jnp.asarray(logits), jnp.asarray(toks), jnp.asarray(n),
+                                                           temperature, max_kept=top_k)[0]), np.asarray(lp), atol=1e-6)
+    # the weights of chapter 12c's correction are then 1 in every mode, where against the full softmax they are S
+    full = np.asarray(jax.nn.log_softmax(jnp.asarray(logits) / temperature))
+    full = np.take_along_axis(full, toks[..., None], -1)[..., 0]
+    assert np.abs(full - mu).mean() > 0.05
+    mask = np.ones((B, T), np.float32)
+    for mode in IMPORTANCE_SAMPLING_MODES[1:]:
+        w = np.asarray(importance_weights(lp, jnp.asarray(mu), jnp.asarray(mask), mode, clip_max=3.0)[0])
+        np.testing.assert_allclose(w, 1.0, atol=1e-4 if mode.startswith("sequence") else 1e-5)
+
+
+def test_replay_without_a_filter_is_the_full_softmax_and_keeps_the_token():
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(0, 2.0, (3, 4, 20)), jnp.float32)
+    toks = jnp.asarray(rng.integers(0, 20, (3, 4)))
+    assert (np.asarray(sampling_mask_size(logits[:, 0], 0.0, 5, 0.8)) == 0).all()        # greedy
+    assert (np.asarray(sampling_mask_size(logits[:, 0], 1.0, 0, 1.0)) == 0).all()        # no filter
+    lp, log_mass = replay_logps(logits, toks, jnp.zeros((3, 4), jnp.int32), 1.0)
+    np.testing.assert_allclose(np.asarray(lp), np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)),
+                                                                  np.asarray(toks)[..., None], -1)[..., 0], atol=1e-6)
+    assert np.abs(np.asarray(log_mass)).max() < 1e-6
+    # a count of 1 whose largest logit is not the token: the token is kept beside it (finite, renormalised over 2)
+    z = np.asarray(logits[0, 0], np.float64)
+    low = int(np.argsort(z)[3])
+    lp1, _ = replay_logps(logits[:1, :1], jnp.array([[low]]), jnp.array([[1]]), 1.0)
+    np.testing.assert_allclose(float(lp1[0, 0]), z[low] - np.log(np.exp(z.max()) + np.exp(z[low])), atol=1e-5)
+
+
+def test_replay_gradient_is_the_kept_softmax_gradient():
+    "d log pi_K(y) / d z = onehot(y) - softmax over K (0 outside K), against NumPy."
+    rng = np.random.default_rng(2)
+    logits = rng.normal(0, 2.0, (2, 3, 15)).astype(np.float32)
+    toks = rng.integers(0, 15, (2, 3))
+    n = np.full((2, 3), 4)
+    g = np.asarray(jax.grad(lambda z: replay_logps(z, jnp.asarray(toks), jnp.asarray(n), 1.0)[0].sum())(jnp.asarray(logits)))
+    for b in range(2):
+        for t in range(3):
+            z = logits[b, t].astype(np.float64)
+            kept = z >= np.sort(z)[::-1][3]
+            kept[toks[b, t]] = True
+            p = np.where(kept, np.exp(z - z[kept].max()), 0.0)
+            p /= p.sum()
+            np.testing.assert_allclose(g[b, t], np.eye(15)[toks[b, t]] - p, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_replay_bisection_and_top_k_paths_find_the_sorted_set(seed):
+    "The bisection on the float bits and lax.top_k give the set of a full sort, with ties, zeros of both signs, -inf."
+    rng = np.random.default_rng(seed)
+    z = rng.normal(0, 3, (3, 8, 64)).astype(np.float32)
+    z[0] = np.round(z[0])                                            # many ties
+    z[1, :, :5] = 0.0; z[1, :, 5:8] = -0.0; z[2, :, :4] = -np.inf
+    n = rng.integers(1, 20, (3, 8))
+    toks = np.argsort(-z, -1)[..., 0]                                # the most likely token: always inside the set
+    srt = -np.sort(-z.astype(np.float64), -1)
+    kept = z >= np.take_along_axis(srt, n[..., None] - 1, -1)
+    zz = np.where(kept, z.astype(np.float64), -np.inf)
+    ref = np.take_along_axis(zz, toks[..., None], -1)[..., 0] - np.log(np.exp(zz - zz.max(-1, keepdims=True)).sum(-1)) - zz.max(-1)
+    for max_kept in (None, 20):
+        lp = np.asarray(replay_logps(jnp.asarray(z), jnp.asarray(toks), jnp.asarray(n), 1.0, max_kept=max_kept)[0])
+        np.testing.assert_allclose(lp, ref, atol=1e-5)
