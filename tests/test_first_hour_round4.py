@@ -43,3 +43,35 @@ def test_metrics_jsonl_is_strict_json_with_non_finite_values(tmp_path):
     assert read_metrics(tmp_path) == recs
     MetricsLogger(tmp_path, total_steps=2, initial_step=1, progress=False).close()   # a resume rewrites the file
     assert [strict_loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == recs
+
+
+# --- DPO: one rule for keys a loss ignores -------------------------------------------------------------------------
+
+LOSS_ARGS = {"beta": (0.1, 0.7), "label_smoothing": (0.0, 0.2), "lambda_orpo": (0.1, 0.9), "simpo_gamma": (0.5, 2.0)}
+
+
+def loss_reads(loss_type: str, key: str) -> bool:
+    "Whether `preference_loss`'s value moves when `key` moves (with everything else fixed): measured, not declared."
+    from maxpost.preference_loss import preference_loss
+    rng = np.random.default_rng(0)
+    cw, cl, rw, rl = (-rng.uniform(5, 30, 4).astype(np.float32) for _ in range(4))
+    n = np.array([5, 7, 9, 11], np.float32)
+    a, b = LOSS_ARGS[key]
+    vals = [float(preference_loss(cw, cl, n, n, rw, rl, loss_type=loss_type, **{key: v})[0]) for v in (a, b)]
+    return not math.isclose(*vals, rel_tol=1e-6, abs_tol=0)
+
+
+@pytest.mark.parametrize("key", sorted(LOSS_ARGS))
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge", "orpo", "simpo"])
+def test_a_dpo_key_is_refused_exactly_when_the_loss_ignores_it(tmp_path, loss_type, key):
+    """`lambda_orpo` / `simpo_gamma` with loss_type=sigmoid were accepted and ignored while label_smoothing with ipo was
+    refused: now every loss key set away from its default is refused (one line naming the losses that read it)
+    exactly when the chosen loss's value does not depend on it, and accepted when it does."""
+    from maxpost.config import ConfigError, load_config
+    args = [f"base_output_directory={tmp_path}", f"loss_type={loss_type}", f"{key}={LOSS_ARGS[key][1]}"]
+    if loss_reads(loss_type, key):
+        assert getattr(load_config("dpo", args), key) == LOSS_ARGS[key][1]
+    else:
+        with pytest.raises(ConfigError, match=f"{key}=.* has no effect with loss_type='{loss_type}'"):
+            load_config("dpo", args)
+    assert getattr(load_config("dpo", args[:2]), key) == LOSS_ARGS[key][0]   # the default is never refused
