@@ -17,7 +17,8 @@ def cli(*args, cwd=None, env=None):
 
 
 def one_line_error(r, code=2):
-    lines = r.stderr.strip().splitlines()
+    "The one line of a refusal (beside the start line, when it comes after the setup)."
+    lines = [l for l in r.stderr.strip().splitlines() if not l.startswith("start: ")]
     assert r.returncode == code and len(lines) == 1 and "Traceback" not in r.stderr, (r.returncode, r.stderr[-3000:])
     return lines[0]
 
@@ -75,3 +76,28 @@ def test_a_dpo_key_is_refused_exactly_when_the_loss_ignores_it(tmp_path, loss_ty
         with pytest.raises(ConfigError, match=f"{key}=.* has no effect with loss_type='{loss_type}'"):
             load_config("dpo", args)
     assert getattr(load_config("dpo", args[:2]), key) == LOSS_ARGS[key][0]   # the default is never refused
+
+
+# --- SFT data: a null message content is named by its row --------------------------------------------------------
+
+@pytest.mark.parametrize("template,bad_row", [("embedded", 0), ("strip", 300)])
+def test_null_content_in_sft_conversations_is_one_line_naming_the_row(tmp_path, bad_row, template):
+    """A conversation whose message has `"content": null` (first row, or one row deep in the file, past the first
+    tokenizer batch): one line naming that example and the fix, exit 2, not jinja2's UndefinedError (which a template
+    calling a string method on the content raises, as Qwen's do) nor a TypeError's words."""
+    from maxpost.tasks import build_tokenizer
+    build_tokenizer(tmp_path / "tok")
+    if template == "strip":
+        cfg = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = cfg["chat_template"].replace("message['content'] +", "message['content'].strip() +")
+        assert ".strip()" in cfg["chat_template"]
+        (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(cfg))
+    rows = [{"messages": [{"role": "user", "content": f"{i} + 1?"}, {"role": "assistant", "content": str(i + 1)}]}
+            for i in range(400)]
+    rows[bad_row]["messages"][1]["content"] = None
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    line = one_line_error(cli("sft", f"base_output_directory={tmp_path}", "run_name=r", f"dataset_name={data}",
+                              f"tokenizer_path={tmp_path / 'tok'}", "model_overrides={num_layers: 1}", "steps=1",
+                              "eval_split=train", "eval_on_train=true", "eval_num_prompts=0"))
+    assert f"example {bad_row} " in line and "messages[1] (assistant) has null content" in line, line
