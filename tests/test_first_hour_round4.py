@@ -101,3 +101,135 @@ def test_null_content_in_sft_conversations_is_one_line_naming_the_row(tmp_path, 
                               f"tokenizer_path={tmp_path / 'tok'}", "model_overrides={num_layers: 1}", "steps=1",
                               "eval_split=train", "eval_on_train=true", "eval_num_prompts=0"))
     assert f"example {bad_row} " in line and "messages[1] (assistant) has null content" in line, line
+
+
+# --- distillation: the teacher's tokenizer, the offline file, the student itself ------------------------------------
+
+DISTILL_SMALL = ["load_parameters_path=", "model_overrides={num_layers: 1}", "train_split=train[:64]",
+                 "eval_split=test[:8]", "max_prompt_length=96", "max_completion_length=64", "global_batch_size=4",
+                 "eval_num_prompts=0", "log_period=1", "warmup_steps=0", "steps=1"]
+
+
+def hf_with_tokenizer(path, swap: bool = False):
+    """A tiny one-layer decoder as a Hugging Face directory with the embedded tokenizer or (swap) one of the same size
+    whose two digit tokens trade ids: the same vocabulary size, not the same tokens."""
+    from maxpost import tasks
+    from maxpost.checkpoint import save_hf
+    from maxpost.model import create_model, get_model_config
+    save_hf(create_model(get_model_config("tiny", num_layers=1), seed=1), path)
+    tasks.build_tokenizer(path)
+    if swap:
+        spec = json.loads((path / "tokenizer.json").read_text())
+        vocab = spec["model"]["vocab"]
+        vocab["1"], vocab["2"] = vocab["2"], vocab["1"]
+        (path / "tokenizer.json").write_text(json.dumps(spec))
+    return path
+
+
+def run_cli(capsys, *args) -> tuple[int, str]:
+    from maxpost.cli import main
+    code = main([str(a) for a in args])
+    return code, capsys.readouterr().err
+
+
+def refusal(code: int, err: str) -> str:
+    "The one line of an exit-2 refusal among a command's stderr (its start line and progress lines aside)."
+    lines = [l for l in err.splitlines() if "error" in l]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, err[-3000:])
+    return lines[0]
+
+
+def test_a_teacher_with_another_tokenizer_of_the_same_size_exits_2(tmp_path, capsys):
+    """Llama 2 and Mistral 7B v0.1 both have 32,000 tokens: a teacher whose tokenizer is another, of the same size,
+    is refused in one line before a step (it distilled with top-1 agreement 0 before), as `write-topk` refuses it."""
+    teacher = hf_with_tokenizer(tmp_path / "teacher", swap=True)
+    base = ["distill", f"base_output_directory={tmp_path}", f"teacher_path={teacher}", *DISTILL_SMALL]
+    line = refusal(*run_cli(capsys, *base))
+    assert "another tokenizer than the student" in line and str(teacher) in line, line
+    assert not (tmp_path / "embedded-distill-on_policy" / "checkpoints").exists()
+    line = refusal(*run_cli(capsys, "distill", "write-topk", *base[1:], "mode=offline", "offline_k=8",
+                            "offline_examples=4"))
+    assert "another tokenizer than the student" in line, line
+
+
+@pytest.fixture(scope="module")
+def topk_file(tmp_path_factory):
+    "A top-k file written by `maxpost distill write-topk` at k 16, temperature 1, under the embedded tokenizer."
+    from maxpost.cli import main
+    d = tmp_path_factory.mktemp("topk")
+    teacher = hf_with_tokenizer(d / "teacher")
+    path = d / "topk.npz"
+    assert main(["distill", "write-topk", f"base_output_directory={d}", f"teacher_path={teacher}", *DISTILL_SMALL,
+                 "mode=offline", "offline_k=16", "offline_examples=4", f"offline_path={path}"]) == 0
+    return path
+
+
+def offline(tmp_path, path, *extra):
+    return ["distill", f"base_output_directory={tmp_path}", *DISTILL_SMALL, "mode=offline", f"offline_path={path}",
+            "offline_k=16", *extra]
+
+
+def test_an_offline_file_at_another_k_or_temperature_is_refused(tmp_path, capsys, topk_file):
+    """Written at k 16 and temperature 1, trained with offline_k=64 or distill_temperature=2.0: one line naming the
+    key, the file's value and the run's (before, no line, and config.yml recorded values the run did not use)."""
+    line = refusal(*run_cli(capsys, *offline(tmp_path, topk_file), "offline_k=64"))
+    assert "written with offline_k=16" in line and "offline_k=64" in line, line
+    line = refusal(*run_cli(capsys, *offline(tmp_path, topk_file), "distill_temperature=2.0"))
+    assert "written with distill_temperature=1.0" in line and "distill_temperature=2.0" in line, line
+    code, err = run_cli(capsys, *offline(tmp_path, topk_file), "run_name=same")     # the file's own: it trains
+    assert code == 0, err[-3000:]
+
+
+def test_an_offline_file_under_another_tokenizer_or_without_one_is_refused(tmp_path, capsys, topk_file):
+    """The student reads its tokens with another tokenizer of the same size than the file was written under: one
+    line; a file from before the tokenizer was recorded: one line saying so and how to write it again."""
+    other = hf_with_tokenizer(tmp_path / "other", swap=True)
+    line = refusal(*run_cli(capsys, *offline(tmp_path, topk_file), f"tokenizer_path={other}"))
+    assert "another tokenizer than the student" in line and str(topk_file) in line, line
+    with np.load(topk_file) as f: arrays = {k: f[k] for k in f.files}
+    meta = json.loads(str(arrays.pop("meta"))); meta.pop("tokenizer")
+    old = tmp_path / "old.npz"
+    np.savez(old, meta=np.array(json.dumps(meta)), **arrays)
+    line = refusal(*run_cli(capsys, *offline(tmp_path, old)))
+    assert "did not record its tokenizer" in line and "write-topk" in line, line
+
+
+@pytest.mark.parametrize("damage", ["truncated", "text", "pickle"])
+def test_a_damaged_or_foreign_offline_file_is_one_line(tmp_path, capsys, topk_file, damage):
+    "A top-k file cut short, a text file, or an .npy of pickled objects: one line naming the file, not a BadZipFile or numpy's advice to unpickle it."
+    bad = tmp_path / "bad.npz"
+    if damage == "truncated": bad.write_bytes(topk_file.read_bytes()[:len(topk_file.read_bytes()) // 2])
+    elif damage == "text": bad.write_text("not a top-k file\n")
+    else:
+        with open(bad, "wb") as f: np.save(f, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    line = refusal(*run_cli(capsys, *offline(tmp_path, bad)))
+    assert str(bad) in line and "is not a top-k file" in line and "allow_pickle" not in line, line
+
+
+def test_offline_k_larger_than_the_vocabulary_is_one_line(tmp_path, capsys):
+    teacher = hf_with_tokenizer(tmp_path / "teacher")
+    line = refusal(*run_cli(capsys, "distill", "write-topk", f"base_output_directory={tmp_path}",
+                            f"teacher_path={teacher}", *DISTILL_SMALL, "mode=offline", "offline_k=100000",
+                            "offline_examples=4"))
+    assert "offline_k=100000 is more than the teacher's vocabulary (512 tokens)" in line, line
+
+
+def test_distilling_a_checkpoint_into_itself_is_refused(tmp_path, capsys):
+    """teacher_path = load_parameters_path (or a run and its own step directory): every divergence is 0 from the
+    first step, so nothing trains; one line before anything loads."""
+    from maxpost.config import ConfigError, load_config
+    run = tmp_path / "embedded-grpo"
+    (run / "checkpoints" / "60").mkdir(parents=True)
+    for teacher in (run, run / "checkpoints" / "60"):
+        with pytest.raises(ConfigError, match="same checkpoint"):
+            load_config("distill", [f"base_output_directory={tmp_path}", f"teacher_path={teacher}",
+                                    f"load_parameters_path={run}"])
+    line = refusal(*run_cli(capsys, "distill", f"base_output_directory={tmp_path}", f"teacher_path={run}",
+                            f"load_parameters_path={run}"))
+    assert "same checkpoint" in line, line
+
+
+def test_distill_on_the_calculator_variant_is_one_line(tmp_path, capsys):
+    "`maxpost distill embedded_task=calculator` would play no episodes (no tool ever runs): one line, exit 2."
+    line = refusal(*run_cli(capsys, "distill", f"base_output_directory={tmp_path}", "embedded_task=calculator"))
+    assert "embedded_task=calculator" in line and "episodes" in line, line
