@@ -273,3 +273,23 @@ def test_a_gguf_file_cut_short_says_so_with_its_sizes(tmp_path, keep):
     assert "cut short" in line and f"{have:,} bytes" in line and "cannot reshape" not in line, line
     assert f"up to byte {full:,}" in line and f"({full - have:,} bytes missing)" in line, line
     assert "output.weight" in line, line             # the tensor that ends last, which the file lacks
+
+
+# --- the configs' comments point where the code is -------------------------------------------------------------------
+
+def test_config_comments_name_the_module_that_defines_each_class():
+    """A base YAML's comment sends a newcomer to a class in a module (`maxpost/x.py (SFTConfig)` or `SFTConfig in
+    maxpost/x.py`) or to a chapter: each module defines that class and each chapter exists (configs/sft.yml sent them
+    to maxpost/config.py, which has no SFTConfig)."""
+    import ast, re
+    refs = []
+    for y in sorted((ROOT / "configs").rglob("*.yml")):
+        text = "\n".join(l for l in y.read_text().splitlines() if l.lstrip().startswith("#"))
+        refs += [(y.name, m, c) for m, c in re.findall(r"maxpost/(\w+)\.py \((\w+)\)", text)]
+        refs += [(y.name, m, c) for c, m in re.findall(r"(\w+) in maxpost/(\w+)\.py", text)]
+        for ch in re.findall(r"chapter (\d\d\w*)", text):
+            assert list((ROOT / "nbs").glob(f"{ch}*.ipynb")), (y.name, ch)     # "chapter 15d" or "chapter 15d_distill"
+    assert refs, "no comment names a class (configs/sft.yml should)"
+    for name, module, cls in refs:
+        tree = ast.parse((ROOT / "maxpost" / f"{module}.py").read_text())
+        assert cls in {n.name for n in tree.body if isinstance(n, ast.ClassDef)}, f"{name}: {cls} is not in maxpost/{module}.py"
