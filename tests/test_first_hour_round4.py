@@ -342,3 +342,32 @@ def test_run_notebooks_import_without_transformers_advice(name):
                        capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "PyTorch was not found" not in r.stderr + r.stdout, r.stderr
+
+
+# --- --help shows what the bare command runs -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["sft", "distill", "rl", "dpo"])
+def test_help_shows_the_values_the_bare_command_runs(kind):
+    """`maxpost sft --help` said steps 100, lr 3e-4, batch 16, warmup 10, length 256 and run_name "required", while
+    `maxpost sft` runs its base YAML's 500 / 3e-3 / 32 / 20 / 192 and embedded-sft. Every plain value the base YAML
+    sets (read here with PyYAML) is the default --help shows for its key; an interpolated one is shown resolved."""
+    import re, yaml
+    from maxpost.config import load_config
+    r = cli(kind, "--help")
+    assert r.returncode == 0, r.stderr
+    shown = dict(re.findall(r"^  (\w+) \([^,]+, default (.*?)(?: \(the base YAML's; without a base: [^)]*\))?(?:, resumable)?\): ",
+                            r.stdout, flags=re.M))
+    base = yaml.safe_load((ROOT / "configs" / f"{kind}.yml").read_text())
+    bare = load_config(kind, [])
+    for k, v in base.items():
+        if k not in shown: continue                              # a key of a mode the line's regex does not cover
+        if isinstance(v, str) and "${" in v: v = getattr(bare, k)  # the bare command's value, interpolated
+        if isinstance(v, bool) or v is None or isinstance(v, (dict, list)): continue
+        got = shown[k]
+        if isinstance(v, (int, float)): assert float(got) == float(v), (k, got, v)
+        else: assert got.strip("'\"") == str(v), (k, got, v)
+    if kind == "sft":
+        assert {k: shown[k] for k in ("steps", "learning_rate", "global_batch_size", "warmup_steps", "max_target_length",
+                                      "run_name")} == {"steps": "500", "learning_rate": "0.003", "global_batch_size": "32",
+                                                       "warmup_steps": "20", "max_target_length": "192",
+                                                       "run_name": "embedded-sft"}, shown
