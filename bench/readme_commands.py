@@ -27,6 +27,7 @@ COMMANDS = {   # name -> the arguments after `maxpost`, exactly as README.md giv
 AFTER_SFT = re.compile(r"held-out \((\d+) problems\) after SFT: pass@1 ([\d.]+) %")
 BEFORE_AFTER = re.compile(r"pass@1\s+([\d.]+) %\s+->\s+([\d.]+) %")
 SINGLE = re.compile(r"pass@1\s+([\d.]+) %")
+EVAL_JSON = Path("maxpost_runs") / "eval-embedded-sft" / "eval.json"   # where the bare `maxpost eval` writes
 
 
 def host() -> dict:
@@ -51,8 +52,11 @@ def run(name: str, workdir: Path) -> dict:
     wall = time.time() - t0
     text = r.stdout + r.stderr
     lines = [l for l in text.splitlines() if "pass@1" in l or "teacher" in l and "%" in l]
+    found = parse(text)
+    if argv[0] == "eval" and r.returncode == 0:   # its summary is a table: the number is in the eval.json it wrote
+        found = {"pass@1": round(100 * json.loads((workdir / EVAL_JSON).read_text())["metrics"]["pass@1"], 1)}
     return {"command": "maxpost " + " ".join(argv), "exit_code": r.returncode, "wall_s": round(wall, 1),
-            "wall_min": round(wall / 60, 1), "host_at_start": start, "host_at_end": host(), **parse(text),
+            "wall_min": round(wall / 60, 1), "host_at_start": start, "host_at_end": host(), **found,
             "printed": lines[-6:]}
 
 
