@@ -27,6 +27,7 @@ COMMANDS = {   # name -> the arguments after `maxpost`, exactly as README.md giv
 AFTER_SFT = re.compile(r"held-out \((\d+) problems\) after SFT: pass@1 ([\d.]+) %")
 BEFORE_AFTER = re.compile(r"pass@1\s+([\d.]+) %\s+->\s+([\d.]+) %")
 SINGLE = re.compile(r"pass@1\s+([\d.]+) %")
+TEACHER = re.compile(r"teacher: pass@1 ([\d.]+) %")
 EVAL_JSON = Path("maxpost_runs") / "eval-embedded-sft" / "eval.json"   # where the bare `maxpost eval` writes
 
 
@@ -39,7 +40,8 @@ def parse(text: str) -> dict:
     if m := AFTER_SFT.search(text): return {"pass@1": float(m.group(2)), "problems": int(m.group(1))}
     if found := BEFORE_AFTER.findall(text):
         before, after = found[-1]
-        return {"pass@1_before": float(before), "pass@1_after": float(after)}
+        teacher = {"teacher_pass@1": float(m.group(1))} if (m := TEACHER.search(text)) else {}
+        return {"pass@1_before": float(before), "pass@1_after": float(after), **teacher}
     if found := SINGLE.findall(text): return {"pass@1": float(found[-1])}
     return {}
 
