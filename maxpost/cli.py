@@ -16,7 +16,7 @@ from .train import RunStopped
 from .convert import convert_main
 
 # %% auto 0
-__all__ = ['EXIT_CODES', 'commands', 'command_help', 'show_config', 'exit_code', 'quiet_libraries', 'main']
+__all__ = ['EXIT_CODES', 'commands', 'bare_values', 'command_help', 'show_config', 'exit_code', 'quiet_libraries', 'main']
 
 # %% ../nbs/17_cli.ipynb
 def commands() -> dict:
@@ -26,6 +26,17 @@ def commands() -> dict:
             "config": (show_config, f"print the resolved configuration of {', '.join(f'`{k}`' for k in kinds)} with overrides applied")}
 
 # %% ../nbs/17_cli.ipynb
+def bare_values(command: str) -> dict:
+    "The value of each key that `command`'s base YAML sets, as the bare `maxpost COMMAND` resolves it (interpolations applied); what `--help` shows as the default."
+    from omegaconf import OmegaConf
+    kind = load_kinds()[command]
+    if not kind.base: return {}
+    raw = OmegaConf.to_container(OmegaConf.load(kind.base), resolve=False)
+    try: cfg = load_config(command, [])
+    except ConfigError: return {k: v for k, v in raw.items() if not (isinstance(v, str) and "${" in v)}
+    return {k: getattr(cfg, k) for k in raw if hasattr(cfg, k)}
+
+# %% ../nbs/17_cli.ipynb
 _HELP_FLAGS = ("-h", "--help")
 
 def command_help(command: str) -> str:
@@ -33,7 +44,8 @@ def command_help(command: str) -> str:
     kind = load_kinds()[command]
     return (f"usage: maxpost {command} [base.yml] key=value ...\n\n{kind.help}.\n"
             f"The base is {f'configs/{kind.base.name}' if kind.base else 'the defaults below'} unless a *.yml file comes first; each key=value overrides it "
-            f"(see the result with `maxpost config {command} ...`).\n\nkeys ({kind.config.__name__}):\n{describe_keys(kind.config)}\n")
+            f"(see the result with `maxpost config {command} ...`).\n\nkeys ({kind.config.__name__}):\n"
+            f"{describe_keys(kind.config, bare_values(command))}\n")
 
 def show_config(argv: Sequence[str]) -> int:
     "`maxpost config <kind> [base.yml] key=value ...`: print the config a command would use, each key's help as a comment."

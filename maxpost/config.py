@@ -452,12 +452,15 @@ def _flow(v) -> str:
     "A value as it is written on the command line (YAML flow style)."
     return yaml.safe_dump(v, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
 
-def describe_keys(cls) -> str:
-    "Every key of config class `cls`, one per line: its type, default, help, words, and whether a resume may change it."
-    out = []
+def describe_keys(cls, base: dict | None = None) -> str:
+    "Every key of config class `cls`, one per line: its type, default, help, words, and whether a resume may change it. `base`: the values a command's base YAML gives (what the bare command runs), shown as the default, the class's own beside where it differs."
+    out, base = [], base or {}
     for f in fields(cls):
         m, default = f.metadata, f.default_factory() if f.default_factory is not _NO_DEFAULT else f.default
-        about = [_type_name(cls, f.name), "required" if default == MISSING else f"default {_flow(default)}"]
+        own = "required" if default == MISSING else f"default {_flow(default)}"
+        if f.name in base and (default == MISSING or base[f.name] != default):
+            own = f"default {_flow(base[f.name])} (the base YAML's; without a base: {own.removeprefix('default ')})"
+        about = [_type_name(cls, f.name), own]
         if m.get("resumable"): about.append("resumable")
         words = f"; one of: {', '.join(m['choices'])}" if "choices" in m else ""
         out.append(f"  {f.name} ({', '.join(about)}): {m.get('help', '')}{words}")

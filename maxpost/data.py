@@ -349,6 +349,9 @@ def _check_messages(msgs, what: str) -> list[dict]:
     if bad := [m["role"] for m in msgs if m["role"] not in CHAT_ROLES]:   # a template may drop it or render it as text
         raise ValueError(f"{what} has a message with role {bad[0]!r}, which chat templates do not know (roles: "
                          f"{', '.join(CHAT_ROLES)}); map it to one of them (ShareGPT's human/gpt are user/assistant)")
+    if nulls := [i for i, m in enumerate(msgs) if m["content"] is None and not m.get("tool_calls")]:
+        raise ValueError(f"{what}[{nulls[0]}] ({msgs[nulls[0]]['role']}) has null content: give it text (\"\" for an "
+                         "empty turn) or drop the message")
     return list(msgs)
 
 def _with_eos(tokenizer, ids: list[int]) -> list[int]:
@@ -426,6 +429,9 @@ class Examples:
 
 # %% ../nbs/04_data.ipynb
 _BATCH = 256   # examples per tokenizer call
+try: from jinja2 import TemplateError   # what a chat template raises on a row it cannot render (UndefinedError, ...)
+except ImportError: TemplateError = ValueError   # no jinja2: no chat templates either
+_ROW_ERRORS = (ValueError, KeyError, TypeError, TemplateError)   # an example the data got wrong, named by its row
 
 def _encode_batch(tokenizer, rows: Sequence[dict], first: int, fmt: str, train_on: str, options: dict) -> list:
     "`encode_example` of each row (example `first` onwards), conversations through one tokenizer call; a bad example is a `ConfigError` naming it."
@@ -435,10 +441,10 @@ def _encode_batch(tokenizer, rows: Sequence[dict], first: int, fmt: str, train_o
         col = _columns(**{k: v for k, v in options.items() if k.endswith("_column")})["messages"][0]
         convs = [_check_messages(ex[col], "messages") for ex in rows]
         return [_finish(ids, mask, train_on) for ids, mask in _encode_chats(tokenizer, convs, options["chat_template_kwargs"])]
-    except (ValueError, KeyError, TypeError) as e: failed = e
+    except _ROW_ERRORS as e: failed = e
     for j, ex in enumerate(rows):   # which one: the data is the input, a ConfigError (exit 2) names its row
         try: one(ex)
-        except (ValueError, KeyError, TypeError) as e: raise ConfigError(f"example {first + j} ({fmt} format): {e}") from e
+        except _ROW_ERRORS as e: raise ConfigError(f"example {first + j} ({fmt} format): {e}") from e
     raise ConfigError(f"examples {first} to {first + len(rows) - 1} ({fmt} format): {failed}") from failed
 
 def _rows(data, start: int, stop: int) -> list[dict]:

@@ -37,9 +37,10 @@ def _patch(f):
 
 # %% auto 0
 __all__ = ['DISTILL_MODES', 'DEFAULT_BETA', 'ON_POLICY_LOSSES', 'COMPLETION_SOURCES', 'KIND', 'DistillConfig', 'distill_beta',
-           'teacher_models', 'check_teacher_vocab', 'distill_examples', 'completion_token_ids', 'pad_completions',
-           'dataset_batch', 'sampled_batch', 'advantage_loss', 'summarize_advantage_metrics', 'distill_micro_loss',
-           'make_distill_step', 'offline_path', 'write_teacher_topk', 'read_teacher_topk', 'DistillTrainer',
+           'teacher_models', 'check_teacher_vocab', 'same_checkpoint', 'tokenizer_fingerprint', 'teacher_tokenizer',
+           'check_teacher_tokenizer', 'distill_examples', 'completion_token_ids', 'pad_completions', 'dataset_batch',
+           'sampled_batch', 'advantage_loss', 'summarize_advantage_metrics', 'distill_micro_loss', 'make_distill_step',
+           'offline_path', 'write_teacher_topk', 'read_teacher_topk', 'check_topk_file', 'DistillTrainer',
            'train_distill', 'main']
 
 # %% ../nbs/15d_distill.ipynb
@@ -93,6 +94,12 @@ def _problems(self: DistillConfig) -> list[str]:
         out.append(f"mode={self.mode} needs a teacher: set teacher_path= to a checkpoint maxpost loads")
     if self.on_policy_loss == "advantage" and self.mode != "on_policy":
         out.append(f"on_policy_loss=advantage is the on-policy recipe; with mode={self.mode} set on_policy_loss=kl")
+    if self.embedded_task != "default" and not self.dataset_name:
+        out.append(f"embedded_task={self.embedded_task} is solved by calling a tool in episodes, which `maxpost distill` "
+                   "does not play (only `maxpost rl` and `maxpost eval` with environment=calculator do); drop embedded_task")
+    if self.mode != "offline" and self.teacher_path and same_checkpoint(self.teacher_path, self.load_parameters_path):
+        out.append(f"teacher_path and load_parameters_path are the same checkpoint ({self.teacher_path}): a student "
+                   "that starts as its teacher has nothing to learn (every divergence 0); give the student another start")
     return out
 
 # %% ../nbs/15d_distill.ipynb
@@ -114,6 +121,34 @@ def check_teacher_vocab(student_vocab: int, teacher_vocab: int, where: str) -> N
         raise ConfigError(f"the teacher ({where}) has a vocabulary of {teacher_vocab} tokens and the student "
                           f"{student_vocab}: distillation compares next-token distributions over one vocabulary; give "
                           "a teacher with the student's tokenizer")
+
+# %% ../nbs/15d_distill.ipynb
+def same_checkpoint(a: str, b: str) -> bool:
+    "Whether the paths `a` and `b` name one checkpoint: the same directory, or a run and one of its step directories."
+    if not a or not b: return False
+    a, b = (Path(os.path.realpath(os.path.expanduser(x))) for x in (a, b))
+    return a == b or a in b.parents or b in a.parents
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    "A hash of what two models must share to be compared token by token: every token's text and id, and the special tokens."
+    import hashlib
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
+    special = sorted((str(k), str(v)) for k, v in tokenizer.special_tokens_map.items())
+    return hashlib.sha256(json.dumps([vocab, special]).encode()).hexdigest()[:16]
+
+def teacher_tokenizer(cfg: DistillConfig):
+    "The teacher checkpoint's own tokenizer (in its directory, its `tokenizer/`, or its run's), or None where it has none."
+    from maxpost.data import load_tokenizer
+    from maxpost.policy import tokenizer_dir
+    try: return load_tokenizer(tokenizer_dir(dataclasses.replace(cfg, tokenizer_path="", load_parameters_path=cfg.teacher_path)))
+    except ConfigError: return None
+
+def check_teacher_tokenizer(student_tokenizer, teacher_fingerprint: str | None, where: str) -> None:
+    "Refuse a teacher (or a top-k file) whose tokenizer is not the student's, though the vocabulary sizes may agree (a `ConfigError`, exit 2)."
+    if teacher_fingerprint is not None and teacher_fingerprint != tokenizer_fingerprint(student_tokenizer):
+        raise ConfigError(f"the teacher ({where}) has another tokenizer than the student (tokenizer fingerprint "
+                          f"{teacher_fingerprint}, the student's {tokenizer_fingerprint(student_tokenizer)}): the same "
+                          "vocabulary size is not the same tokens; give a teacher with the student's tokenizer")
 
 # %% ../nbs/15d_distill.ipynb
 def _raw_rows(cfg: DistillConfig, split: str):
@@ -234,6 +269,10 @@ def write_teacher_topk(cfg: DistillConfig, setup: Setup | None = None, *, progre
     s = setup if setup is not None else setup_run(cfg, models=teacher_models(dataclasses.replace(cfg, mode="supervised")), announce=announce)
     teacher = s.models["teacher"]
     check_teacher_vocab(s.model.cfg.vocab_size, teacher.cfg.vocab_size, cfg.teacher_path)
+    check_teacher_tokenizer(s.tokenizer, (t := teacher_tokenizer(cfg)) and tokenizer_fingerprint(t), cfg.teacher_path)
+    if cfg.offline_k > teacher.cfg.vocab_size:
+        raise ConfigError(f"offline_k={cfg.offline_k} is more than the teacher's vocabulary ({teacher.cfg.vocab_size} "
+                          f"tokens); give offline_k={teacher.cfg.vocab_size} or less")
     B, n = cfg.global_batch_size, cfg.offline_examples or cfg.steps * cfg.global_batch_size
     order, parts = PromptIterator(distill_examples(cfg, cfg.train_split), seed=cfg.seed), []
     fn = jax.jit(lambda t, b: completion_topk_logps(t, b["prompt_ids"], b["prompt_mask"], b["completion_ids"],
@@ -248,7 +287,8 @@ def write_teacher_topk(cfg: DistillConfig, setup: Setup | None = None, *, progre
             parts.append({**b, "topk_logps": np.asarray(logps, np.float32), "topk_ids": np.asarray(ids, np.int32)})
     arrays = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     meta = dict(vocab_size=int(teacher.cfg.vocab_size), k=cfg.offline_k, temperature=cfg.distill_temperature,
-                teacher_path=cfg.teacher_path, completion_source=cfg.completion_source, seed=cfg.seed)
+                teacher_path=cfg.teacher_path, completion_source=cfg.completion_source, seed=cfg.seed,
+                tokenizer=tokenizer_fingerprint(s.tokenizer))
     path = offline_path(cfg); path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}.npz")
     np.savez(tmp, meta=np.array(json.dumps(meta)), **arrays); os.replace(tmp, path)
@@ -261,8 +301,25 @@ def read_teacher_topk(path) -> tuple[dict, dict]:
     if not path.exists():
         raise ConfigError(f"mode=offline reads the teacher's top-k log-probs from {path}, which does not exist; write "
                           "it first with `maxpost distill write-topk teacher_path=... <the same keys>` (or set offline_path=)")
-    with np.load(path) as f:
-        return {k: f[k] for k in f.files if k != "meta"}, json.loads(str(f["meta"]))
+    import zipfile
+    try:
+        with np.load(path) as f:
+            return {k: f[k] for k in f.files if k != "meta"}, json.loads(str(f["meta"]))
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:   # numpy's unpickle advice is a ValueError
+        raise ConfigError(f"{path} is not a top-k file `maxpost distill write-topk` wrote (cut short, corrupted or "
+                          f"another file: {type(e).__name__}); write it again with `maxpost distill write-topk ...`") from e
+
+def check_topk_file(cfg: DistillConfig, meta: dict, student_tokenizer, path) -> None:
+    "Refuse a top-k file written at another `offline_k` or `distill_temperature` than `cfg`'s, or under another tokenizer than the student's (or too old to say)."
+    again = "; write it again with `maxpost distill write-topk <the same keys>`"
+    if "tokenizer" not in meta:
+        raise ConfigError(f"{path} was written by an older maxpost that did not record its tokenizer, so it cannot be "
+                          "checked against the student's" + again)
+    for k, have in (("offline_k", meta.get("k")), ("distill_temperature", meta.get("temperature"))):
+        if have != getattr(cfg, k):
+            raise ConfigError(f"{path} was written with {k}={have}, and this run asks {k}={getattr(cfg, k)}: give "
+                              f"{k}={have}, or write the file again at {getattr(cfg, k)}")
+    check_teacher_tokenizer(student_tokenizer, meta["tokenizer"], str(path))
 
 # %% ../nbs/15d_distill.ipynb
 class DistillTrainer(Trainer):
@@ -286,10 +343,12 @@ class DistillTrainer(Trainer):
             if cfg.mode == "offline":
                 self.offline, meta = read_teacher_topk(offline_path(cfg))
                 check_teacher_vocab(self.model_cfg.vocab_size, meta["vocab_size"], str(offline_path(cfg)))
+                check_topk_file(cfg, meta, self.tokenizer, offline_path(cfg))
                 self.order = PromptIterator(list(range(len(self.offline["prompt_ids"]))), seed=cfg.seed)
             else:
                 teacher = self.models["teacher"]
                 check_teacher_vocab(self.model_cfg.vocab_size, teacher.cfg.vocab_size, cfg.teacher_path)
+                check_teacher_tokenizer(self.tokenizer, (t := teacher_tokenizer(cfg)) and tokenizer_fingerprint(t), cfg.teacher_path)
                 self.teacher_graphdef, self.teacher_state = nnx.split(teacher)     # frozen: never updated, no optimizer state
                 self.order = PromptIterator(distill_examples(cfg, cfg.train_split), seed=cfg.seed)
                 self.teacher_flops = flops_per_token(teacher.cfg, cfg.max_prompt_length + cfg.max_completion_length) / 3

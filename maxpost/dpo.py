@@ -28,12 +28,19 @@ from .commands import start_trainer, train_command
 from .step import make_update_step, ReferencePolicy
 
 # %% auto 0
-__all__ = ['KIND', 'DPOConfig', 'loss_run_name', 'extract_prompt', 'pair_problem', 'encode_pair', 'preference_batch',
+__all__ = ['LOSS_KEYS', 'KIND', 'DPOConfig', 'loss_run_name', 'extract_prompt', 'pair_problem', 'encode_pair', 'preference_batch',
            'embedded_pair', 'write_embedded_pairs', 'embedded_pairs', 'load_pairs', 'PairData', 'preference_options',
            'pair_logps', 'dpo_loss', 'make_dpo_loss', 'make_dpo_step', 'make_dpo_eval_step', 'make_reference_fn',
            'DPOTrainer', 'train_dpo', 'main']
 
 # %% ../nbs/15b_dpo.ipynb
+LOSS_KEYS = {   # which preference loss reads which key (12b's `preference_loss`); any other loss refuses it set
+    "beta": ("sigmoid", "ipo", "hinge", "simpo"),
+    "label_smoothing": ("sigmoid", "orpo", "simpo"),
+    "lambda_orpo": ("orpo",),
+    "simpo_gamma": ("simpo",),
+    "precompute_ref_log_probs": tuple(t for t in LOSS_TYPES if t not in REFERENCE_FREE)}
+
 @dataclass
 class DPOConfig(TrainConfig, GenerationConfig):
     "Preference optimisation from pairs of a chosen and a rejected reply: DPO (sigmoid), IPO, hinge, ORPO, SimPO."
@@ -41,7 +48,7 @@ class DPOConfig(TrainConfig, GenerationConfig):
         help="the preference loss: sigmoid (DPO), ipo, hinge, orpo or simpo (chapter 12b)")
     beta: float = key(0.1, positive=True, help="the strength of the tie to the reference (SimPO: the reward scale)")
     label_smoothing: float = key(0.0, interval="[0, 0.5)",
-        help="the share of preference labels taken to be flipped (sigmoid and simpo only)")
+        help="the share of preference labels taken to be flipped (sigmoid, orpo and simpo)")
     lambda_orpo: float = key(0.1, non_negative=True, help="ORPO: the weight of the odds-ratio term beside the chosen NLL")
     simpo_gamma: float = key(0.5, non_negative=True, help="SimPO: the target reward margin")
     precompute_ref_log_probs: bool = key(False,
@@ -52,17 +59,13 @@ class DPOConfig(TrainConfig, GenerationConfig):
     eval_batches: int = key(4, positive=True, resumable=True, help="held-out batches of pairs for the preference loss")
 
     def problems(self) -> list[str]:
-        "`TrainConfig`'s problems, and keys that the chosen `loss_type` would ignore."
+        "`TrainConfig`'s problems, and a key set away from its default that the chosen `loss_type` does not read (`LOSS_KEYS`)."
         out = super().problems()
-        if self.label_smoothing and self.loss_type not in ("sigmoid", "simpo"):
-            out.append(f"label_smoothing={self.label_smoothing} has no effect with loss_type={self.loss_type!r} (it "
-                       "smooths the sigmoid of DPO and SimPO); set label_smoothing=0")
-        if self.precompute_ref_log_probs and self.loss_type in REFERENCE_FREE:
-            out.append(f"precompute_ref_log_probs=true has no effect with loss_type={self.loss_type!r} (it uses no "
-                       "reference model); set precompute_ref_log_probs=false")
-        if self.loss_type == "orpo" and self.beta != 0.1:
-            out.append(f"beta={self.beta} has no effect with loss_type='orpo' (its odds-ratio term is weighted by "
-                       "lambda_orpo and it has no reference); drop beta or set lambda_orpo")
+        for k, readers in LOSS_KEYS.items():
+            default = type(self).__dataclass_fields__[k].default
+            if self.loss_type not in readers and getattr(self, k) != default:
+                out.append(f"{k}={getattr(self, k)} has no effect with loss_type={self.loss_type!r} (only "
+                           f"{', '.join(readers)} read it); drop it (default {default}) or choose one of those losses")
         return out
 
 # %% ../nbs/15b_dpo.ipynb

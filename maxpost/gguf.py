@@ -11,7 +11,8 @@ from .checkpoint import hf_config_to_model_config
 
 # %% auto 0
 __all__ = ['INSTALL', 'ARCHITECTURES', 'import_gguf', 'field_value', 'read_metadata', 'dequantize', 'permute', 'unpermute',
-           'hf_tensor_name', 'rope_freqs', 'hf_config', 'hf_tensors', 'gguf_tokenizer', 'convert_gguf']
+           'hf_tensor_name', 'rope_freqs', 'hf_config', 'hf_tensors', 'gguf_tokenizer', 'gguf_cut_short',
+           'convert_gguf']
 
 # %% ../nbs/03e_gguf.ipynb
 INSTALL = 'pip install "maxpost[gguf]"'
@@ -176,12 +177,31 @@ def _write_weights(tensors, out: Path, dtype: str = "float32", shard_gb: float =
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 # %% ../nbs/03e_gguf.ipynb
+def gguf_cut_short(src) -> str | None:
+    "Why the GGUF file `src` is cut short (its size against the byte where its last tensor ends, by its own header), or None when it is whole or its header cannot be read."
+    gguf = import_gguf()
+    class Header(gguf.GGUFReader):   # the header and the tensors' places, not their data (which a short file lacks)
+        def _build_tensors(self, start_offs, fields): self.tensor_fields = fields
+    try: r = Header(src)
+    except (ValueError, KeyError, IndexError): return None
+    end, last = r.data_offset, None
+    for f in r.tensor_fields:
+        _, name, _, dims, raw_dtype, offset = f.parts
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_dtype[0]))]
+        stop = r.data_offset + int(offset[0]) + int(np.prod(dims)) * size // block
+        if stop > end: end, last = stop, bytes(name).decode("utf-8", errors="replace")
+    have = Path(src).stat().st_size
+    if have >= end: return None
+    return (f"{src} is cut short: {have:,} bytes, where its header places tensor {last} up to byte {end:,} "
+            f"({end - have:,} bytes missing); download or copy the file again")
+
+# %% ../nbs/03e_gguf.ipynb
 def convert_gguf(src, dst, *, dtype: str = "float32", shard_gb: float = 4.0) -> Path:
     "Write the GGUF file `src` as the Hugging Face directory `dst` (config, safetensors, tokenizer, chat template) that `load_hf` reads."
     src, dst = Path(src), Path(dst)
     try: reader = import_gguf().GGUFReader(src)
     except (ValueError, KeyError, IndexError) as e:
-        raise ValueError(f"{src} is not a GGUF file maxpost can read ({e})") from None
+        raise ValueError(gguf_cut_short(src) or f"{src} is not a GGUF file maxpost can read ({e})") from None
     meta = read_metadata(reader)
     weights = [t for t in reader.tensors if t.name != "rope_freqs.weight"]
     shapes = {hf_tensor_name(t.name): tuple(int(n) for n in reversed(t.shape)) for t in weights}

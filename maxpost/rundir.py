@@ -4,14 +4,14 @@
 
 # %% ../nbs/07c_rundir.ipynb 3
 from __future__ import annotations
-import fcntl, json, os, socket, sys, time
+import fcntl, json, math, os, socket, sys, time
 from pathlib import Path
 from typing import Any, Sequence
 
 import jax, numpy as np
 
 # %% auto 0
-__all__ = ['RunLocked', 'RunLock', 'as_scalar', 'read_metrics', 'MetricsLogger']
+__all__ = ['RunLocked', 'RunLock', 'as_scalar', 'finite_or_null', 'strict_json', 'read_metrics', 'MetricsLogger']
 
 # %% ../nbs/07c_rundir.ipynb
 class RunLocked(RuntimeError):
@@ -57,6 +57,17 @@ def as_scalar(v):
     v = np.asarray(v)
     return float(v) if v.dtype.kind == "f" else int(v) if v.dtype.kind in "iub" else v.tolist()
 
+def finite_or_null(v):
+    "`v` with every non-finite float (NaN, ±inf) replaced by None, in dicts and lists too."
+    if isinstance(v, float): return v if math.isfinite(v) else None
+    if isinstance(v, dict): return {k: finite_or_null(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)): return [finite_or_null(x) for x in v]
+    return v
+
+def strict_json(obj, **kw) -> str:
+    "JSON that strict readers (jq, JavaScript's JSON.parse, Go, pandas) accept: a non-finite number is written as null, where Python's `json` writes the non-JSON `NaN` / `Infinity`."
+    return json.dumps(finite_or_null(obj), allow_nan=False, **kw)
+
 def read_metrics(directory, kind: str | None = None) -> list[dict]:
     "The records of `metrics.jsonl` (of one `kind`, e.g. 'train' or 'eval')."
     p = Path(directory) / "metrics.jsonl"
@@ -81,7 +92,7 @@ class MetricsLogger:
             if self.path.exists():   # a resume redoes the steps after `initial_step`; a new run starts empty
                 keep = [r for r in read_metrics(directory) if initial_step and r["step"] <= initial_step]
                 tmp_path = self.path.with_suffix(".tmp")
-                tmp_path.write_text("".join(json.dumps(r) + "\n" for r in keep)); tmp_path.replace(self.path)
+                tmp_path.write_text("".join(strict_json(r) + "\n" for r in keep)); tmp_path.replace(self.path)
             try:
                 from tensorboardX import SummaryWriter
                 self.tb = SummaryWriter(str(Path(directory) / "tensorboard"), purge_step=initial_step + 1)
@@ -98,7 +109,7 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, Any], kind: str = "train") -> dict:
         rec = {"step": int(step), "kind": kind, **{k: as_scalar(v) for k, v in metrics.items()}}
         if self.primary:
-            with self.path.open("a") as f: f.write(json.dumps(rec) + "\n")
+            with self.path.open("a") as f: f.write(strict_json(rec) + "\n")
             if self.tb is not None:
                 for k, v in rec.items():
                     if isinstance(v, (int, float)) and k != "step": self.tb.add_scalar(f"{kind}/{k}", v, step)
