@@ -270,7 +270,7 @@ class Attention(nnx.Module):
 # %% ../nbs/02_model.ipynb
 @patch
 def __call__(self: Attention, x_btd, sin_cos, spans: Spans, kv=None, local=None, tape=None):
-    "The attention output [B,T,D] and, with `kv=(k_lbkhs, v_lbksh, layer, index)` (every layer's cache, stacked, this layer's index in it and the first slot to write), the updated stacked (k, v). `sin_cos`: `rope_sin_cos` of the positions for this layer's kind; `spans`: of the queries and of the keys (the row itself, or the written cache); `local`: see `by_window`."
+    "The attention output [B,T,D] and, with `kv=(k_bkhs, v_bksh, index)` (this layer's cache before the call and the first slot to write), the new tokens' keys [B,K,H,T] and values [B,K,T,H] for the caller to write at slot `index` (after this layer's read of the cache). `sin_cos`: `rope_sin_cos` of the positions for this layer's kind; `spans`: of the queries and of the keys (the row itself, or the written cache); `local`: see `by_window`."
     c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
     proj = dense if tape is None else tape.dense
     q_btnh = constrain(project(self, "q_proj", x_btd, proj), ("batch", "length", "heads", "head_dim"))
@@ -284,19 +284,16 @@ def __call__(self: Attention, x_btd, sin_cos, spans: Spans, kv=None, local=None,
         o_btnh = by_window(c, local, lambda w: attend(q_btnh, k_bkht, v_bkth, spans, scale, window=w, causal=True,
                                                       implementation=c.attention))
         return project(self, "o_proj", o_btnh, proj, 2), None
-    k_all, v_all, layer, index = kv
-    mine = lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False).astype(dt)   # this layer's slice
+    k_cache, v_cache, index = kv
     step = q_btnh.shape[1] == 1 and c.num_kv_heads == 1   # read the cache, then write it: see `attend_step`
-    if step:
-        k_old, v_old = mine(k_all), mine(v_all)
-        o_btnh = by_window(c, local, lambda w: attend_step(q_btnh, k_old, v_old, k_bkht, v_bkth, spans, index, scale, w))
-        k_bkht, v_bkth = after(o_btnh, k_bkht, v_bkth)
-    k_all = jax.lax.dynamic_update_slice(k_all, k_bkht[None].astype(k_all.dtype), (layer, 0, 0, 0, index))
-    v_all = jax.lax.dynamic_update_slice(v_all, v_bkth[None].astype(v_all.dtype), (layer, 0, 0, index, 0))
-    if not step:
-        k_l, v_l = mine(k_all), mine(v_all)
-        o_btnh = by_window(c, local, lambda w: attend(q_btnh, k_l, v_l, spans, scale, window=w, implementation=c.attention))
-    return project(self, "o_proj", o_btnh, proj, 2), (k_all, v_all)
+    if step: o_btnh = by_window(c, local, lambda w: attend_step(q_btnh, k_cache.astype(dt), v_cache.astype(dt), k_bkht,
+                                                                 v_bkth, spans, index, scale, w))
+    else:
+        k_bkhs = jax.lax.dynamic_update_slice(k_cache, k_bkht.astype(k_cache.dtype), (0, 0, 0, index)).astype(dt)
+        v_bksh = jax.lax.dynamic_update_slice(v_cache, v_bkth.astype(v_cache.dtype), (0, 0, index, 0)).astype(dt)
+        o_btnh = by_window(c, local, lambda w: attend(q_btnh, k_bkhs, v_bksh, spans, scale, window=w, implementation=c.attention))
+    k_bkht, v_bkth = after(o_btnh, k_bkht, v_bkth)        # the caller writes them into the stack after this read
+    return project(self, "o_proj", o_btnh, proj, 2), (k_bkht, v_bkth)
 
 # %% ../nbs/02_model.ipynb
 def _gate(g, u, activation: str):
@@ -537,9 +534,13 @@ def run_layers(self: Decoder, x_btd, positions_bt, spans: Spans, kv=None):
     def layer(x_btd, k_v, st, i, local):
         block = nnx.merge(graphdef, st)
         sc = jax.tree.map(lambda a, b: jnp.where(local, a, b), rope[True], rope[False]) if mixed else rope[kinds[0]]
-        if kv is not None: return block(x_btd, sc, spans, (*k_v, i, kv[2]), local)
-        if c.remat == "none": return block(x_btd, sc, spans, None, local)[0], None
-        return recompute_in_backward(block, x_btd, sc, spans, None, local, keep_projections=c.remat == "minimal")[0], None
+        mine = None if kv is None else tuple(jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False) for a in k_v) + (kv[2],)
+        if c.remat == "none": x_btd, new = block(x_btd, sc, spans, mine, local)
+        else: x_btd, new = recompute_in_backward(block, x_btd, sc, spans, mine, local, keep_projections=c.remat == "minimal")
+        if kv is None: return x_btd, None
+        k_all, v_all = k_v                                   # this layer's new keys written into the stack in place
+        return x_btd, (jax.lax.dynamic_update_slice(k_all, new[0][None].astype(k_all.dtype), (i, 0, 0, 0, kv[2])),
+                       jax.lax.dynamic_update_slice(v_all, new[1][None].astype(v_all.dtype), (i, 0, 0, kv[2], 0)))
     k_v = None if kv is None else kv[:2]
     locals_l = jnp.asarray([c.is_local(i) for i in range(c.num_layers)]) if mixed else None
     if c.scan_layers:

@@ -95,8 +95,8 @@ def test_prefill_and_decode_equal_the_full_forward(family, scan):
 
 @pytest.mark.parametrize("num_kv_heads", [1, 2])
 def test_decode_step_holds_one_copy_of_the_cache(num_kv_heads):
-    """The compiled decode step (cache donated) needs temporaries far below the cache's size: the scan writes each layer's
-    keys into the carried stack in place rather than building a second stack."""
+    """The compiled decode step (cache donated) needs temporaries well below the cache's size: the scan writes each
+    layer's new keys into the carried stack in place rather than building a second stack."""
     cfg = get_model_config("tiny", num_layers=6, d_model=64, num_heads=2, num_kv_heads=num_kv_heads, head_dim=16,
                            mlp_dim=128, vocab_size=97)
     gd, st = nnx.split(Decoder(cfg))
@@ -106,7 +106,9 @@ def test_decode_step_holds_one_copy_of_the_cache(num_kv_heads):
     cache = init_cache(cfg, 8, 512)
     cache_bytes = cache["k"].nbytes + cache["v"].nbytes
     m = jax.jit(decode.__wrapped__, donate_argnums=1).lower(st, cache, jnp.ones((8, 1), jnp.int32)).compile().memory_analysis()
-    assert m.temp_size_in_bytes < cache_bytes / 4, (m.temp_size_in_bytes, cache_bytes)
+    # a second copy of the stack would be >= cache_bytes; one layer's written keys and values (several KV heads:
+    # attention over the layer's cache with the step written in) are 2/6 of it
+    assert m.temp_size_in_bytes < cache_bytes / 2, (m.temp_size_in_bytes, cache_bytes)
 
 
 def _hlo_size(num_layers: int) -> int:
