@@ -20,9 +20,9 @@ from .attention import (   # all of them importable from maxpost.model too, thei
 __all__ = ['FAMILIES', 'PRESETS', 'LOGITS_CHUNK_SIZE', 'ModelConfig', 'get_model_config', 'rms_norm', 'RMSNorm',
            'rope_frequencies', 'rope_sin_cos', 'rotate', 'apply_rope', 'dense', 'LoRA', 'project', 'layer_inv_freq',
            'mixed_windows', 'by_window', 'Attention', 'gated', 'MLP', 'Block', 'stack_layers', 'stacked_path',
-           'LayerParam', 'LayerView', 'weight_decay_mask', 'Tape', 'recompute_in_backward', 'init_cache', 'grow_cache',
-           'repeat_cache', 'Decoder', 'create_model', 'set_layer_weights', 'layer_order', 'num_params', 'TunixPolicy',
-           'token_logps', 'split_chunks', 'join_chunks', 'chunk_length']
+           'layer_paths', 'LayerParam', 'LayerView', 'Tape', 'recompute_in_backward', 'init_cache', 'grow_cache',
+           'repeat_cache', 'Decoder', 'weight_decay_mask', 'create_model', 'set_layer_weights', 'layer_order',
+           'num_params', 'TunixPolicy', 'token_logps', 'split_chunks', 'join_chunks', 'chunk_length']
 
 # %% ../nbs/02_model.ipynb
 FAMILIES = ("llama", "qwen3", "gemma3")
@@ -286,13 +286,14 @@ def __call__(self: Attention, x_btd, sin_cos, spans: Spans, kv=None, local=None,
         return project(self, "o_proj", o_btnh, proj, 2), None
     k_cache, v_cache, index = kv
     step = q_btnh.shape[1] == 1 and c.num_kv_heads == 1   # read the cache, then write it: see `attend_step`
-    if step: o_btnh = by_window(c, local, lambda w: attend_step(q_btnh, k_cache.astype(dt), v_cache.astype(dt), k_bkht,
-                                                                 v_bkth, spans, index, scale, w))
+    if step:
+        o_btnh = by_window(c, local, lambda w: attend_step(q_btnh, k_cache.astype(dt), v_cache.astype(dt), k_bkht, v_bkth,
+                                                           spans, index, scale, w))
+        k_bkht, v_bkth = after(o_btnh, k_bkht, v_bkth)    # the caller writes them into the stack after this read
     else:
         k_bkhs = jax.lax.dynamic_update_slice(k_cache, k_bkht.astype(k_cache.dtype), (0, 0, 0, index)).astype(dt)
         v_bksh = jax.lax.dynamic_update_slice(v_cache, v_bkth.astype(v_cache.dtype), (0, 0, index, 0)).astype(dt)
         o_btnh = by_window(c, local, lambda w: attend(q_btnh, k_bkhs, v_bksh, spans, scale, window=w, implementation=c.attention))
-    k_bkht, v_bkth = after(o_btnh, k_bkht, v_bkth)        # the caller writes them into the stack after this read
     return project(self, "o_proj", o_btnh, proj, 2), (k_bkht, v_bkth)
 
 # %% ../nbs/02_model.ipynb
@@ -356,6 +357,14 @@ def stacked_path(path: tuple) -> tuple[tuple, int | None]:
     if len(path) > 1 and path[0] == "layers" and isinstance(path[1], int): return ("layers", *path[2:]), path[1]
     return tuple(path), None
 
+def layer_paths(model_or_state) -> list[tuple]:
+    "The flat paths of every weight, a stacked one as its L per-layer paths `('layers', i, ...)`: what the converters' tables name."
+    state = nnx.state(model_or_state, nnx.Param) if isinstance(model_or_state, nnx.Module) else model_or_state
+    out = []
+    for k, v in nnx.to_flat_state(state):
+        out += [(k[0], i, *k[1:]) for i in range(v.shape[0])] if k[0] == "layers" else [k]
+    return out
+
 # %% ../nbs/02_model.ipynb
 class LayerParam:
     "Slice `i` of a stacked variable, read and written like a variable of one layer."
@@ -391,14 +400,6 @@ def __len__(self: Block) -> int:
 
 @patch
 def __iter__(self: Block): return (self[i] for i in range(len(self)))
-
-# %% ../nbs/02_model.ipynb
-def weight_decay_mask(params):
-    "True for the weights AdamW decays, the matrices: two or more axes per layer (a stacked weight's leading `layers` axis not counted), so no norm scale is decayed."
-    def matrix(path, x):
-        stacked = any(getattr(k, "key", getattr(k, "name", None)) == "layers" for k in path)
-        return x.ndim - stacked >= 2
-    return jax.tree_util.tree_map_with_path(matrix, params)
 
 # %% ../nbs/02_model.ipynb
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -554,6 +555,14 @@ def run_layers(self: Decoder, x_btd, positions_bt, spans: Spans, kv=None):
         x_btd, new = layer(x_btd, k_v, jax.tree.map(lambda a: a[i], state), i, None if locals_l is None else locals_l[i])
         k_v = k_v if new is None else new
     return x_btd, k_v
+
+# %% ../nbs/02_model.ipynb
+def weight_decay_mask(params):
+    "True for the weights AdamW decays, the matrices: two or more axes per layer (a stacked weight's leading `layers` axis not counted), so no norm scale is decayed."
+    def matrix(path, x):
+        stacked = any(getattr(k, "key", getattr(k, "name", None)) == "layers" for k in path)
+        return x.ndim - stacked >= 2
+    return jax.tree_util.tree_map_with_path(matrix, params)
 
 # %% ../nbs/02_model.ipynb
 def create_model(cfg: ModelConfig, *, seed: int = 0, mesh=None) -> Decoder:
