@@ -19,10 +19,10 @@ from .attention import (   # all of them importable from maxpost.model too, thei
 # %% auto 0
 __all__ = ['FAMILIES', 'PRESETS', 'LOGITS_CHUNK_SIZE', 'ModelConfig', 'get_model_config', 'rms_norm', 'RMSNorm',
            'rope_frequencies', 'rope_sin_cos', 'rotate', 'apply_rope', 'dense', 'LoRA', 'project', 'layer_inv_freq',
-           'mixed_windows', 'by_window', 'Attention', 'gated', 'MLP', 'Block', 'stack_layers', 'stacked_path',
-           'layer_paths', 'LayerParam', 'LayerView', 'Tape', 'recompute_in_backward', 'init_cache', 'grow_cache',
-           'repeat_cache', 'Decoder', 'weight_decay_mask', 'create_model', 'set_layer_weights', 'layer_order',
-           'num_params', 'TunixPolicy', 'token_logps', 'split_chunks', 'join_chunks', 'chunk_length']
+           'mixed_windows', 'by_window', 'Attention', 'after_read', 'gated', 'MLP', 'Block', 'stack_layers',
+           'stacked_path', 'layer_paths', 'LayerParam', 'LayerView', 'Tape', 'recompute_in_backward', 'init_cache',
+           'grow_cache', 'repeat_cache', 'Decoder', 'weight_decay_mask', 'create_model', 'set_layer_weights',
+           'layer_order', 'num_params', 'TunixPolicy', 'token_logps', 'split_chunks', 'join_chunks', 'chunk_length']
 
 # %% ../nbs/02_model.ipynb
 FAMILIES = ("llama", "qwen3", "gemma3")
@@ -268,6 +268,12 @@ class Attention(nnx.Module):
             self.q_norm, self.k_norm = RMSNorm(h, **kw), RMSNorm(h, **kw)
 
 # %% ../nbs/02_model.ipynb
+@jax.custom_vjp
+def after_read(o, *ys):
+    "`after(o, *ys)`: `ys`, computed after `o` (the attention's read of the cache), so that writing them into the stacked cache can be in place; for autodiff the identity on `ys` (the bit-level zero of `after` has no gradient)."
+    return after(o, *ys)
+after_read.defvjp(lambda o, *ys: (after(o, *ys), o), lambda o, cts: (jnp.zeros_like(o), *cts))
+
 @patch
 def __call__(self: Attention, x_btd, sin_cos, spans: Spans, kv=None, local=None, tape=None):
     "The attention output [B,T,D] and, with `kv=(k_bkhs, v_bksh, index)` (this layer's cache before the call and the first slot to write), the new tokens' keys [B,K,H,T] and values [B,K,T,H] for the caller to write at slot `index` (after this layer's read of the cache). `sin_cos`: `rope_sin_cos` of the positions for this layer's kind; `spans`: of the queries and of the keys (the row itself, or the written cache); `local`: see `by_window`."
@@ -289,11 +295,11 @@ def __call__(self: Attention, x_btd, sin_cos, spans: Spans, kv=None, local=None,
     if step:
         o_btnh = by_window(c, local, lambda w: attend_step(q_btnh, k_cache.astype(dt), v_cache.astype(dt), k_bkht, v_bkth,
                                                            spans, index, scale, w))
-        k_bkht, v_bkth = after(o_btnh, k_bkht, v_bkth)    # the caller writes them into the stack after this read
     else:
         k_bkhs = jax.lax.dynamic_update_slice(k_cache, k_bkht.astype(k_cache.dtype), (0, 0, 0, index)).astype(dt)
         v_bksh = jax.lax.dynamic_update_slice(v_cache, v_bkth.astype(v_cache.dtype), (0, 0, index, 0)).astype(dt)
         o_btnh = by_window(c, local, lambda w: attend(q_btnh, k_bkhs, v_bksh, spans, scale, window=w, implementation=c.attention))
+    k_bkht, v_bkth = after_read(o_btnh, k_bkht, v_bkth)    # the caller writes them into the stack after this read
     return project(self, "o_proj", o_btnh, proj, 2), (k_bkht, v_bkth)
 
 # %% ../nbs/02_model.ipynb
