@@ -4,7 +4,7 @@
 
 # %% ../nbs/03_checkpoint.ipynb 3
 from __future__ import annotations
-import argparse, dataclasses, json, logging, os, shutil, socket, sys, threading, warnings
+import argparse, dataclasses, functools, json, logging, os, shutil, socket, sys, threading, warnings
 from pathlib import Path
 from typing import NamedTuple
 import numpy as np
@@ -13,7 +13,7 @@ from flax import nnx
 import orbax.checkpoint as ocp
 from safetensors import safe_open
 from safetensors.numpy import save_file
-from .model import ModelConfig, Decoder
+from .model import ModelConfig, Decoder, layer_order, set_layer_weights
 from .sharding import param_shardings, host_array, variable_at
 
 # %% auto 0
@@ -245,24 +245,21 @@ def load_hf(path, *, dtype=jnp.float32, mesh=None, remat: str = "none", compute_
     stray = [k for k in files if k.startswith(prefix) and k not in used and "rotary_emb" not in k]
     if stray: raise ValueError(f"unexpected tensor {stray[0]!r} in {path} (an unsupported feature?)")
     handles = {}
-    try:
-        for e in table:
-            hf_name = e.hf_name
-            if hf_name == "lm_head.weight" and hf_name not in files and "language_model.lm_head.weight" in files:
-                hf_name = "language_model.lm_head.weight"
-            if hf_name not in files: raise KeyError(f"tensor {hf_name!r} missing from {path}")
-            f = files[hf_name]
-            if f not in handles: handles[f] = _open_safetensors(f)
-            var = variable_at(model, e.path)
-            shape = tuple(var.shape)
-            w = handles[f].get_tensor(hf_name)
-            expected = param_to_hf(e.kind, np.empty(shape, np.int8)).shape
-            if tuple(w.shape) != tuple(expected):
-                raise ValueError(f"tensor {hf_name!r} has shape {tuple(w.shape)}, the config expects {tuple(expected)}")
-            w = np.ascontiguousarray(hf_to_param(e.kind, w, shape)).astype(jnp.dtype(dtype))
-            var.set_value(jnp.asarray(w) if shardings is None else jax.device_put(w, shardings[e.path].get_value()))
-    finally:
-        handles.clear()
+    def read(e):
+        hf_name = e.hf_name
+        if hf_name == "lm_head.weight" and hf_name not in files and "language_model.lm_head.weight" in files:
+            hf_name = "language_model.lm_head.weight"
+        if hf_name not in files: raise KeyError(f"tensor {hf_name!r} missing from {path}")
+        f = files[hf_name]
+        if f not in handles: handles[f] = _open_safetensors(f)
+        shape = tuple(variable_at(model, e.path).shape)        # one layer's shape for a stacked weight
+        w = handles[f].get_tensor(hf_name)
+        expected = param_to_hf(e.kind, np.empty(shape, np.int8)).shape
+        if tuple(w.shape) != tuple(expected):
+            raise ValueError(f"tensor {hf_name!r} has shape {tuple(w.shape)}, the config expects {tuple(expected)}")
+        return e.path, np.ascontiguousarray(hf_to_param(e.kind, w, shape)).astype(jnp.dtype(dtype))
+    try: set_layer_weights(model, (read(e) for e in sorted(table, key=lambda e: layer_order(e.path))), shardings)
+    finally: handles.clear()
     return model
 
 # %% ../nbs/03_checkpoint.ipynb
@@ -468,7 +465,7 @@ def checkpoint_size(path) -> int:
 
 # %% ../nbs/03_checkpoint.ipynb
 def restore_state(mgr: ocp.CheckpointManager, params_like, opt_state_like=None, *, step: int | None = None):
-    "`(params, opt_state, meta)` of `step`, or of the newest step that restores, on the shardings of the `*_like` trees; `meta['step']` is the step restored."
+    "`(params, opt_state, meta)` of `step`, or of the newest step that restores, on the shardings of the `*_like` trees; `meta['step']` is the step restored. A step written with one array per layer (before the layers were stacked) is stacked as it is read."
     finish_saves(mgr, " (written in the background; found before a restore)")
     _drop_closed_loop_tracebacks()   # a step that fails to read leaves Tensorstore callbacks on Orbax's closed loop too
     steps = [int(step)] if step is not None else sorted(mgr.all_steps(), reverse=True)
@@ -477,7 +474,8 @@ def restore_state(mgr: ocp.CheckpointManager, params_like, opt_state_like=None, 
     if opt_state_like is not None: items["opt_state"] = ocp.args.StandardRestore(_abstract(opt_state_like))
     failed = []
     for s in steps:
-        try: r = mgr.restore(s, args=ocp.args.Composite(**items))
+        try: r = _restore_per_layer(mgr, s, params_like, opt_state_like) if _per_layer_step(mgr, s) else \
+                 mgr.restore(s, args=ocp.args.Composite(**items))
         except Exception as e:
             why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
             failed.append(f"step {s} ({why})")
@@ -487,3 +485,63 @@ def restore_state(mgr: ocp.CheckpointManager, params_like, opt_state_like=None, 
             continue
         return r["params"], (r["opt_state"] if opt_state_like is not None else None), r["meta"]
     raise CheckpointError(f"no checkpoint under {mgr.directory} restores: {'; '.join(failed)}")
+
+# %% ../nbs/03_checkpoint.ipynb
+def _key(k) -> str:
+    "A pytree path entry as Orbax names it on disk (a dict key, an attribute or field name, a sequence index)."
+    for a in ("key", "name", "idx"):
+        if hasattr(k, a): return str(getattr(k, a))
+    return str(k)
+
+def _per_layer_step(mgr: ocp.CheckpointManager, step: int) -> bool:
+    "Whether checkpoint `step` holds its parameters one array per layer (`layers/0/...`: maxpost before issue 47) rather than stacked."
+    f = Path(mgr.directory) / str(step) / "params" / "_METADATA"
+    if not f.exists(): return False
+    keys = json.loads(f.read_text()).get("tree_metadata", {})
+    return any("('layers', '0'," in k for k in keys)
+
+def _per_layer_target(like, on_disk) -> tuple:
+    "For a stacked `like` tree: the restore target of its per-layer layout in the structure of the checkpoint's tree `on_disk` (each array under a `layers` key split into `layers/<i>`, on one layer's sharding), and each leaf's on-disk paths (one, or L)."
+    flat, sources = jax.tree_util.tree_flatten_with_path(_abstract(like))[0], []
+    target = {}
+    for path, x in flat:
+        keys = [_key(k) for k in path]
+        n = keys.index("layers") + 1 if "layers" in keys and hasattr(x, "shape") else 0
+        if not n: put = [(tuple(keys), x)]
+        else:
+            s = x.sharding
+            if isinstance(s, jax.sharding.NamedSharding): s = jax.sharding.NamedSharding(s.mesh, jax.P(*tuple(s.spec)[1:]))
+            one = jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=s)
+            put = [((*keys[:n], str(i), *keys[n:]), one) for i in range(x.shape[0])]
+        for k, v in put:
+            node = target
+            for p in k[:-1]: node = node.setdefault(p, {})
+            node[k[-1]] = v
+        sources.append([k for k, _ in put])
+    at = lambda path: functools.reduce(lambda d, p: d[p], [_key(k) for k in path], target)
+    return jax.tree_util.tree_map_with_path(lambda path, _: at(path), on_disk), sources
+
+def _stacked_from(restored: dict, like, sources: list):
+    "The per-layer `restored` tree in `like`'s stacked structure and shardings (convert on read)."
+    get = lambda k: functools.reduce(lambda d, p: d[int(p)] if isinstance(d, (list, tuple)) else d[p], k, restored)
+    leaves, treedef = jax.tree_util.tree_flatten(like)
+    out = []
+    for x, src in zip(leaves, sources):
+        if len(src) == 1 and "layers" not in src[0]: out.append(get(src[0])); continue
+        stack = jnp.stack([get(k) for k in src])
+        out.append(jax.device_put(stack, x.sharding) if isinstance(getattr(x, "sharding", None), jax.sharding.Sharding) else stack)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+# %% ../nbs/03_checkpoint.ipynb
+def _restore_per_layer(mgr: ocp.CheckpointManager, step: int, params_like, opt_state_like=None) -> dict:
+    "Restore checkpoint `step`, written one array per layer, into the stacked structures of `params_like` (and `opt_state_like`)."
+    from etils import epath
+    on_disk = lambda item: ocp.PyTreeCheckpointHandler().metadata(epath.Path(Path(mgr.directory).absolute() / str(step) / item)).tree
+    pt, ps = _per_layer_target(params_like, on_disk("params"))
+    items = dict(params=ocp.args.StandardRestore(pt), meta=ocp.args.JsonRestore())
+    if opt_state_like is not None:
+        ot, os_ = _per_layer_target(opt_state_like, on_disk("opt_state"))
+        items["opt_state"] = ocp.args.StandardRestore(ot)
+    r = mgr.restore(step, args=ocp.args.Composite(**items))
+    return dict(params=_stacked_from(r["params"], params_like, ps), meta=r["meta"],
+                opt_state=None if opt_state_like is None else _stacked_from(r["opt_state"], opt_state_like, os_))

@@ -12,7 +12,7 @@ import jax, jax.numpy as jnp
 from flax import nnx
 from safetensors.numpy import save_file
 from . import sharding
-from .model import LoRA, Decoder
+from .model import LoRA, Decoder, stack_layers
 from .config import LORA_TARGETS, ALL_LINEAR, parse_target_modules   # the names config validates against
 
 # %% auto 0
@@ -32,17 +32,18 @@ def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
 # %% ../nbs/03c_lora.ipynb
 def add_lora(model: Decoder, rank: int, alpha: float = 32.0, targets: str | Sequence[str] = ALL_LINEAR, *,
              rslora: bool = False, seed: int = 0, mesh=None) -> Decoder:
-    "Attach a `LoRA` adapter (A from `seed`, B zero, float32) to each projection `targets` names in every layer of `model`, in place; with `mesh`, the factors are placed in their shards."
+    "Attach a `LoRA` adapter (A from `seed`, B zero, float32) to each projection `targets` names in every layer of `model` (stacked over the layers, as the weights), in place; with `mesh`, the factors are placed in their shards."
     if rank < 1: raise ValueError(f"lora_rank={rank}: an adapter needs rank >= 1")
     names, scale = parse_target_modules(targets), lora_scale(alpha, rank, rslora)
-    keys = iter(jax.random.split(jax.random.key(seed), len(model.layers) * len(names)))
-    for layer in model.layers:
-        for name in names:
-            block = getattr(layer, _BLOCK[name])
-            w, n_in = getattr(block, name), _N_IN.get(name, 1)
-            axes = sharding.logical_names(w) or (None,) * w.ndim
-            setattr(block, f"{name}_lora", LoRA(next(keys), w.shape[:n_in], w.shape[n_in:], axes[:n_in], axes[n_in:],
-                                                rank, scale, param_dtype="float32"))
+    keys = jax.random.split(jax.random.key(seed), len(model.layers) * len(names))   # layer-major, as one layer at a time
+    for j, name in enumerate(names):
+        block = getattr(model.layers, _BLOCK[name])                # the stacked attention or MLP
+        w, n_in = getattr(block, name), _N_IN.get(name, 1)
+        axes = (sharding.logical_names(w) or (None,) * w.ndim)[1:]   # a layer's axes, `layers` dropped
+        shape = w.shape[1:]
+        setattr(block, f"{name}_lora", stack_layers([LoRA(keys[i * len(names) + j], shape[:n_in], shape[n_in:], axes[:n_in],
+                                                          axes[n_in:], rank, scale, param_dtype="float32")
+                                                     for i in range(len(model.layers))]))
     if mesh is not None: nnx.update(model, sharding.shard_state(nnx.state(model, nnx.LoRAParam), mesh))
     return model
 
@@ -72,12 +73,13 @@ def _node(model, path: tuple):
     return model
 
 def merged_weight(model: nnx.Module, path: tuple) -> jax.Array:
-    "The parameter at `path` with its adapter's update folded in (W + s A B, in float32, back in W's dtype); the parameter itself when it has no adapter."
+    "The parameter at `path` (a stack, or one layer's slice with `('layers', i, ...)`) with its adapter's update folded in (W + s A B, in float32, back in W's dtype); the parameter itself when it has no adapter."
     w = _node(model, path)[...]
     lora = getattr(_node(model, path[:-1]), f"{path[-1]}_lora", None) if path else None
     if lora is None: return w
-    n_in, r = lora.n_in, lora.a.shape[-1]
-    a, b = lora.a[...].astype(jnp.float32).reshape(-1, r), lora.b[...].astype(jnp.float32).reshape(r, -1)
+    a, b = lora.a[...].astype(jnp.float32), lora.b[...].astype(jnp.float32)
+    lead, r = a.shape[:a.ndim - lora.n_in - 1], a.shape[-1]             # lead: (L,) for a stacked weight, else ()
+    a, b = a.reshape(*lead, -1, r), b.reshape(*lead, r, -1)
     return (w.astype(jnp.float32) + lora.scale * (a @ b).reshape(w.shape)).astype(w.dtype)
 
 def has_lora(model: nnx.Module) -> bool:

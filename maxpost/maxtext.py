@@ -11,7 +11,7 @@ import numpy as np
 import jax, jax.numpy as jnp
 from flax import nnx
 import orbax.checkpoint as ocp
-from .model import ModelConfig, Decoder, PRESETS
+from .model import stacked_path, ModelConfig, Decoder, PRESETS
 from .sharding import param_shardings, variable_at
 
 # %% auto 0
@@ -109,7 +109,8 @@ def maxtext_shapes(cfg: ModelConfig, scanned: bool = True) -> dict[tuple, tuple]
     flat = {k: tuple(v.shape) for k, v in nnx.to_flat_state(abstract)}
     out = {}
     for e in maxtext_param_map(cfg, scanned):
-        s = flat[e.targets[0]]
+        p, layer = stacked_path(e.targets[0])
+        s = flat[p] if layer is None else flat[p][1:]      # one layer of a stacked weight
         if e.kind == "t": s = s[::-1]
         out[e.path] = (s[:1] + (len(e.targets),) + s[1:]) if e.stacked else s
     return out
@@ -308,6 +309,18 @@ def _stacked_sharding(target: jax.sharding.NamedSharding, kind: str, stacked: bo
     return jax.sharding.NamedSharding(target.mesh, jax.P(*spec))
 
 # %% ../nbs/03b_maxtext.ipynb
+def _place(model, path: tuple, x: jax.Array, layers: dict, targets: dict | None) -> None:
+    "Set the weight at `path` to `x`; a layer's slice waits in `layers` (stacked path -> {layer: slice}) until its stack is complete, then the stack is placed once (on `targets[path]`, a flat path -> sharding map, when given)."
+    p, layer = stacked_path(path)
+    if layer is None: variable_at(model, p).set_value(x); return
+    layers.setdefault(p, {})[layer] = x
+    var = variable_at(model, p)
+    if len(layers[p]) < var.shape[0]: return
+    stack = jnp.stack([layers[p][i] for i in range(var.shape[0])])
+    var.set_value(stack if targets is None else jax.device_put(stack, targets[p].get_value()))
+    del layers[p]
+
+# %% ../nbs/03b_maxtext.ipynb
 def _check_arrays(items: Path, shapes: dict, table: list[MaxTextParam], expected: dict) -> None:
     for p, s in expected.items():
         if p not in shapes: raise KeyError(f"array {'/'.join(p)} missing from {items} (expected shape {s})")
@@ -332,18 +345,21 @@ def load_maxtext(path, model: str | ModelConfig, *, overrides: dict | None = Non
     model = nnx.merge(graphdef, abstract)
     def sharding_of(e):
         if targets is None: return jax.sharding.SingleDeviceSharding(jax.devices()[0]), None
-        t = targets[e.targets[0]].get_value()
+        p, layer = stacked_path(e.targets[0])
+        t = targets[p].get_value()
+        if layer is not None: t = jax.sharding.NamedSharding(t.mesh, jax.P(*tuple(t.spec)[1:]))   # one layer's slice
         return _stacked_sharding(t, e.kind, e.stacked, len(shapes[e.path].shape)), t
     groups, size = [[]], 0
     for e in table:
         nbytes = math.prod(shapes[e.path].shape) * shapes[e.path].dtype.itemsize
         if groups[-1] and size + nbytes > group_bytes: groups.append([]); size = 0
         groups[-1].append(e); size += nbytes
+    layers = {}   # stacked path -> {layer: slice}, placed as one stack once every layer is read
     for group in groups:
         arrays = _restore_arrays(items, {e.path: sharding_of(e)[0] for e in group})
         for e in group:
             f = _slicer(e.kind, cfg, e.stacked, sharding_of(e)[1])
-            for j, t in enumerate(e.targets): variable_at(model, t).set_value(f(arrays[e.path], j))
+            for j, t in enumerate(e.targets): _place(model, t, f(arrays[e.path], j), layers, targets)
         del arrays
     return model
 

@@ -10,16 +10,19 @@ import numpy as np
 import jax, jax.numpy as jnp
 from flax import nnx
 from .config import REMAT_POLICIES   # the words of `remat` (chapter 00_config), in order of memory, most first
-from .sharding import constrain, create_sharded
+from fastcore.basics import patch
+from .sharding import constrain, create_sharded, logical_names, variable_at
 from .attention import (   # all of them importable from maxpost.model too, their first home
     ATTENTION_IMPLEMENTATIONS, NEG_INF, Spans, after, attend, attend_step, attention_implementation, attention_mask,
     block_sizes, blockwise_attention, plus_zero, zero_of)
 
 # %% auto 0
 __all__ = ['FAMILIES', 'PRESETS', 'LOGITS_CHUNK_SIZE', 'ModelConfig', 'get_model_config', 'rms_norm', 'RMSNorm',
-           'rope_frequencies', 'rope_sin_cos', 'rotate', 'apply_rope', 'dense', 'LoRA', 'project', 'Attention', 'gated',
-           'MLP', 'Block', 'Tape', 'recompute_in_backward', 'init_cache', 'grow_cache', 'Decoder', 'create_model',
-           'num_params', 'TunixPolicy', 'token_logps', 'split_chunks', 'join_chunks', 'chunk_length']
+           'rope_frequencies', 'rope_sin_cos', 'rotate', 'apply_rope', 'dense', 'LoRA', 'project', 'layer_inv_freq',
+           'mixed_windows', 'by_window', 'Attention', 'after_read', 'gated', 'MLP', 'Block', 'stack_layers',
+           'stacked_path', 'layer_paths', 'LayerParam', 'LayerView', 'Tape', 'recompute_in_backward', 'init_cache',
+           'grow_cache', 'repeat_cache', 'Decoder', 'weight_decay_mask', 'create_model', 'set_layer_weights',
+           'layer_order', 'num_params', 'TunixPolicy', 'token_logps', 'split_chunks', 'join_chunks', 'chunk_length']
 
 # %% ../nbs/02_model.ipynb
 FAMILIES = ("llama", "qwen3", "gemma3")
@@ -57,6 +60,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     attention: str = "auto"               # ATTENTION_IMPLEMENTATIONS
     remat: str = "none"                   # REMAT_POLICIES: what the backward recomputes (see below)
+    scan_layers: bool = True              # one lax.scan over the stacked layers (False: a Python loop, for checks)
 
     def __post_init__(self):
         if self.family not in FAMILIES: raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
@@ -235,11 +239,26 @@ def project(module: nnx.Module, name: str, x: jax.Array, proj=dense, n_in: int =
     return y if lora is None else y + lora(x)
 
 # %% ../nbs/02_model.ipynb
+def layer_inv_freq(cfg: ModelConfig, local: bool) -> np.ndarray:
+    "RoPE inverse frequencies of a sliding-window (`local`) or a global layer of `cfg`."
+    if local: return rope_frequencies(cfg.head_dim, cfg.local_rope_theta)
+    return rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_factor, cfg.rope_low_freq_factor,
+                            cfg.rope_high_freq_factor, cfg.rope_original_max_len)
+
+def mixed_windows(cfg: ModelConfig) -> bool:
+    "Whether `cfg` has both sliding-window and global layers (Gemma 3): then a layer's kind is a traced flag."
+    return len({cfg.is_local(i) for i in range(cfg.num_layers)}) == 2
+
+def by_window(cfg: ModelConfig, local, fn):
+    "`fn(window)` for one layer: with `local` None all layers share one kind (a static window); else the traced flag `local` picks, by `lax.cond`, between the sliding-window and the global call, each compiled once."
+    if local is None: return fn(cfg.sliding_window if cfg.is_local(0) else None)
+    return jax.lax.cond(local, lambda: fn(cfg.sliding_window), lambda: fn(None))
+
 class Attention(nnx.Module):
     "Multi-head attention with GQA, optional qk-norm, RoPE and an optional KV cache."
-    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, n, k, h, pd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.param_dtype
-        self.cfg, self.local = cfg, cfg.is_local(layer)
+        self.cfg = cfg
         self.q_proj = _param(rngs.params(), _fan_in(0), (d, n, h), ("embed", "heads", "head_dim"), pd)
         self.k_proj = _param(rngs.params(), _fan_in(0), (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
         self.v_proj = _param(rngs.params(), _fan_in(0), (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
@@ -248,38 +267,40 @@ class Attention(nnx.Module):
             kw = dict(eps=cfg.norm_eps, plus_one=cfg.norm_plus_one, names=("head_dim",), param_dtype=pd)
             self.q_norm, self.k_norm = RMSNorm(h, **kw), RMSNorm(h, **kw)
 
-    def inv_freq(self) -> np.ndarray:
-        c = self.cfg
-        if self.local: return rope_frequencies(c.head_dim, c.local_rope_theta)
-        return rope_frequencies(c.head_dim, c.rope_theta, c.rope_type, c.rope_factor, c.rope_low_freq_factor,
-                                c.rope_high_freq_factor, c.rope_original_max_len)
+# %% ../nbs/02_model.ipynb
+@jax.custom_vjp
+def after_read(o, *ys):
+    "`after(o, *ys)`: `ys`, computed after `o` (the attention's read of the cache), so that writing them into the stacked cache can be in place; for autodiff the identity on `ys` (the bit-level zero of `after` has no gradient)."
+    return after(o, *ys)
+after_read.defvjp(lambda o, *ys: (after(o, *ys), o), lambda o, cts: (jnp.zeros_like(o), *cts))
 
-    def __call__(self, x_btd, sin_cos, spans: Spans, kv=None, tape=None):
-        "Returns the attention output [B,T,D] and, with `kv=(k_bkhs, v_bksh, index)` (this layer's cache), the updated (k, v). `sin_cos`: `rope_sin_cos` of the positions with `self.inv_freq()`; `spans`: of the queries and of the keys (the row itself, or the written cache)."
-        c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        proj = dense if tape is None else tape.dense
-        q_btnh = project(self, "q_proj", x_btd, proj)
-        k_btkh = project(self, "k_proj", x_btd, proj)
-        v_btkh = project(self, "v_proj", x_btd, proj)
-        q_btnh = constrain(q_btnh, ("batch", "length", "heads", "head_dim"))
-        k_btkh = constrain(k_btkh, ("batch", "length", "kv_heads", "head_dim"))
-        if c.qk_norm: q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
-        q_btnh, k_btkh = rotate(q_btnh, sin_cos), rotate(k_btkh, sin_cos)
-        k_bkht, v_bkth = k_btkh.transpose(0, 2, 3, 1), v_btkh.transpose(0, 2, 1, 3)
-        scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
-        window = c.sliding_window if self.local else None
-        if kv is None:                                      # no cache: causal by index too
-            o_btnh = attend(q_btnh, k_bkht, v_bkth, spans, scale, window=window, causal=True, implementation=c.attention)
-            return project(self, "o_proj", o_btnh, proj, 2), None
-        k_cache, v_cache, index = kv
-        step = q_btnh.shape[1] == 1 and c.num_kv_heads == 1   # read the cache, then write it: see `attend_step`
-        if step:
-            o_btnh = attend_step(q_btnh, k_cache.astype(dt), v_cache.astype(dt), k_bkht, v_bkth, spans, index, scale, window)
-            k_bkht, v_bkth = after(o_btnh, k_bkht, v_bkth)
-        k_bkhs = jax.lax.dynamic_update_slice(k_cache, k_bkht.astype(k_cache.dtype), (0, 0, 0, index))
-        v_bksh = jax.lax.dynamic_update_slice(v_cache, v_bkth.astype(v_cache.dtype), (0, 0, index, 0))
-        if not step: o_btnh = attend(q_btnh, k_bkhs.astype(dt), v_bksh.astype(dt), spans, scale, window=window)
-        return project(self, "o_proj", o_btnh, proj, 2), (k_bkhs, v_bksh)
+@patch
+def __call__(self: Attention, x_btd, sin_cos, spans: Spans, kv=None, local=None, tape=None):
+    "The attention output [B,T,D] and, with `kv=(k_bkhs, v_bksh, index)` (this layer's cache before the call and the first slot to write), the new tokens' keys [B,K,H,T] and values [B,K,T,H] for the caller to write at slot `index` (after this layer's read of the cache). `sin_cos`: `rope_sin_cos` of the positions for this layer's kind; `spans`: of the queries and of the keys (the row itself, or the written cache); `local`: see `by_window`."
+    c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+    proj = dense if tape is None else tape.dense
+    q_btnh = constrain(project(self, "q_proj", x_btd, proj), ("batch", "length", "heads", "head_dim"))
+    k_btkh = constrain(project(self, "k_proj", x_btd, proj), ("batch", "length", "kv_heads", "head_dim"))
+    v_btkh = project(self, "v_proj", x_btd, proj)
+    if c.qk_norm: q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
+    q_btnh, k_btkh = rotate(q_btnh, sin_cos), rotate(k_btkh, sin_cos)
+    k_bkht, v_bkth = k_btkh.transpose(0, 2, 3, 1), v_btkh.transpose(0, 2, 1, 3)
+    scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+    if kv is None:                                      # no cache: causal by index too
+        o_btnh = by_window(c, local, lambda w: attend(q_btnh, k_bkht, v_bkth, spans, scale, window=w, causal=True,
+                                                      implementation=c.attention))
+        return project(self, "o_proj", o_btnh, proj, 2), None
+    k_cache, v_cache, index = kv
+    step = q_btnh.shape[1] == 1 and c.num_kv_heads == 1   # read the cache, then write it: see `attend_step`
+    if step:
+        o_btnh = by_window(c, local, lambda w: attend_step(q_btnh, k_cache.astype(dt), v_cache.astype(dt), k_bkht, v_bkth,
+                                                           spans, index, scale, w))
+    else:
+        k_bkhs = jax.lax.dynamic_update_slice(k_cache, k_bkht.astype(k_cache.dtype), (0, 0, 0, index)).astype(dt)
+        v_bksh = jax.lax.dynamic_update_slice(v_cache, v_bkth.astype(v_cache.dtype), (0, 0, index, 0)).astype(dt)
+        o_btnh = by_window(c, local, lambda w: attend(q_btnh, k_bkhs, v_bksh, spans, scale, window=w, implementation=c.attention))
+    k_bkht, v_bkth = after_read(o_btnh, k_bkht, v_bkth)    # the caller writes them into the stack after this read
+    return project(self, "o_proj", o_btnh, proj, 2), (k_bkht, v_bkth)
 
 # %% ../nbs/02_model.ipynb
 def _gate(g, u, activation: str):
@@ -313,20 +334,78 @@ class MLP(nnx.Module):
 # %% ../nbs/02_model.ipynb
 class Block(nnx.Module):
     "One decoder layer: (norm, attention[, norm]) + residual, (norm, MLP[, norm]) + residual."
-    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         kw = dict(eps=cfg.norm_eps, plus_one=cfg.norm_plus_one, param_dtype=cfg.param_dtype)
         self.post_norms = cfg.post_norms
-        self.attn_norm, self.attn = RMSNorm(cfg.d_model, **kw), Attention(cfg, layer, rngs=rngs)
+        self.attn_norm, self.attn = RMSNorm(cfg.d_model, **kw), Attention(cfg, rngs=rngs)
         self.mlp_norm, self.mlp = RMSNorm(cfg.d_model, **kw), MLP(cfg, rngs=rngs)
         if cfg.post_norms: self.post_attn_norm, self.post_mlp_norm = RMSNorm(cfg.d_model, **kw), RMSNorm(cfg.d_model, **kw)
 
-    def __call__(self, x_btd, sin_cos, spans: Spans, kv=None, tape=None):
-        h_btd, new_kv = self.attn(self.attn_norm(x_btd), sin_cos, spans, kv, tape)
+    def __call__(self, x_btd, sin_cos, spans: Spans, kv=None, local=None, tape=None):
+        h_btd, new_kv = self.attn(self.attn_norm(x_btd), sin_cos, spans, kv, local, tape)
         if self.post_norms: h_btd = self.post_attn_norm(h_btd)
         x_btd = x_btd + h_btd
         h_btd = self.mlp(self.mlp_norm(x_btd), tape)
         if self.post_norms: h_btd = self.post_mlp_norm(h_btd)
         return constrain(x_btd + h_btd, ("batch", "length", "embed")), new_kv
+
+# %% ../nbs/02_model.ipynb
+def stack_layers(blocks: list[nnx.Module]) -> nnx.Module:
+    "One module of `blocks[0]`'s structure whose every variable is the stack [L, ...] of the blocks' variables, with the logical axis `layers` in front."
+    graphdef, _ = nnx.split(blocks[0])
+    def stack(*vs):
+        names = logical_names(vs[0]) or (None,) * vs[0].ndim
+        return vs[0].replace(jnp.stack([v.get_value() for v in vs]), out_sharding=("layers", *names))
+    return nnx.merge(graphdef, jax.tree.map(stack, *(nnx.state(b) for b in blocks), is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+def stacked_path(path: tuple) -> tuple[tuple, int | None]:
+    "(`path` without its layer index, that index) for a path `('layers', i, ...)` of a decoder's weight; (`path`, None) otherwise."
+    if len(path) > 1 and path[0] == "layers" and isinstance(path[1], int): return ("layers", *path[2:]), path[1]
+    return tuple(path), None
+
+def layer_paths(model_or_state) -> list[tuple]:
+    "The flat paths of every weight, a stacked one as its L per-layer paths `('layers', i, ...)`: what the converters' tables name."
+    state = nnx.state(model_or_state, nnx.Param) if isinstance(model_or_state, nnx.Module) else model_or_state
+    out = []
+    for k, v in nnx.to_flat_state(state):
+        out += [(k[0], i, *k[1:]) for i in range(v.shape[0])] if k[0] == "layers" else [k]
+    return out
+
+# %% ../nbs/02_model.ipynb
+class LayerParam:
+    "Slice `i` of a stacked variable, read and written like a variable of one layer."
+    def __init__(self, var: nnx.Variable, i: int): self.var, self.i = var, i
+    shape = property(lambda self: tuple(self.var.shape[1:]))
+    dtype = property(lambda self: self.var.get_value().dtype)
+    def get_value(self): return self.var.get_value()[self.i]
+    def __getitem__(self, idx): return self.get_value()[idx]
+    def set_value(self, x): self.var.set_value(self.var.get_value().at[self.i].set(jnp.asarray(x, self.dtype)))
+    def get_metadata(self):
+        md = dict(self.var.get_metadata())
+        if md.get("out_sharding"): md["out_sharding"] = tuple(md["out_sharding"])[1:]
+        return md
+
+class LayerView:
+    "Layer `i` of a stacked module (`Decoder.layers`), read like an unstacked one: variables are `LayerParam`s, submodules `LayerView`s."
+    def __init__(self, module: nnx.Module, i: int): self._module, self._i = module, i
+    def __getattr__(self, name):
+        x = getattr(self._module, name)
+        if isinstance(x, nnx.Variable): return LayerParam(x, self._i)
+        return LayerView(x, self._i) if isinstance(x, nnx.Module) else x
+
+@patch
+def __getitem__(self: Block, i: int) -> LayerView:
+    n = len(self)
+    if not -n <= i < n: raise IndexError(f"layer {i} of {n}")
+    return LayerView(self, i % n)
+
+@patch
+def __len__(self: Block) -> int:
+    shape = self.attn_norm.scale.shape
+    return shape[0] if len(shape) == 2 else 1
+
+@patch
+def __iter__(self: Block): return (self[i] for i in range(len(self)))
 
 # %% ../nbs/02_model.ipynb
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -378,11 +457,10 @@ def recompute_in_backward(module: nnx.Module, *args, keep_projections: bool = Fa
 
 # %% ../nbs/02_model.ipynb
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
-    "An empty KV cache: per layer k [B,K,H,S] and v [B,K,S,H] (tuples of L), segment_ids/positions [B,S] int32 (0 = empty), index int32."
+    "An empty KV cache: k [L,B,K,H,S] and v [L,B,K,S,H] (every layer, stacked), segment_ids/positions [B,S] int32 (0 = empty), index int32."
     dtype = jnp.dtype(cfg.dtype if dtype is None else dtype)
-    b, k, h, s = batch, cfg.num_kv_heads, cfg.head_dim, max_len
-    return dict(k=tuple(jnp.zeros((b, k, h, s), dtype) for _ in range(cfg.num_layers)),
-                v=tuple(jnp.zeros((b, k, s, h), dtype) for _ in range(cfg.num_layers)),
+    l, b, k, h, s = cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, max_len
+    return dict(k=jnp.zeros((l, b, k, h, s), dtype), v=jnp.zeros((l, b, k, s, h), dtype),
                 segment_ids=jnp.zeros((b, s), jnp.int32), positions=jnp.zeros((b, s), jnp.int32),
                 index=jnp.zeros((), jnp.int32))
 
@@ -392,18 +470,24 @@ def grow_cache(cache: dict, max_len: int) -> dict:
     pad = max_len - cache["segment_ids"].shape[1]
     if pad < 0: raise ValueError(f"the cache already has {cache['segment_ids'].shape[1]} slots, more than max_len={max_len}")
     widen = lambda x, axis: jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)])
-    return dict(k=tuple(widen(x, 3) for x in cache["k"]), v=tuple(widen(x, 2) for x in cache["v"]),
-                segment_ids=widen(cache["segment_ids"], 1), positions=widen(cache["positions"], 1), index=cache["index"])
+    return dict(k=widen(cache["k"], 4), v=widen(cache["v"], 3), segment_ids=widen(cache["segment_ids"], 1),
+                positions=widen(cache["positions"], 1), index=cache["index"])
+
+def repeat_cache(cache: dict, g: int) -> dict:
+    "`cache` with each row repeated `g` times (row b becomes rows b*g .. b*g+g-1): the keys' batch axis is 1."
+    return dict(k=jnp.repeat(cache["k"], g, 1), v=jnp.repeat(cache["v"], g, 1),
+                segment_ids=jnp.repeat(cache["segment_ids"], g, 0), positions=jnp.repeat(cache["positions"], g, 0),
+                index=cache["index"])
 
 # %% ../nbs/02_model.ipynb
 class Decoder(nnx.Module):
-    "Decoder-only transformer for the Llama 3 / Qwen 3 / Gemma 3 families."
+    "Decoder-only transformer for the Llama 3 / Qwen 3 / Gemma 3 families; its layers are one stacked `Block` (see `stack_layers`)."
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None = None):
         rngs = nnx.Rngs(0) if rngs is None else rngs
         self.cfg = cfg
         self.embed = _param(rngs.params(), _normal(0.02 if cfg.tie_embeddings else 1.0),
                             (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.param_dtype)
-        self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+        self.layers = stack_layers([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one, param_dtype=cfg.param_dtype)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs.params(), _fan_in(1), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
@@ -423,26 +507,16 @@ class Decoder(nnx.Module):
             spans = Spans(positions_bt, segment_ids_bt,
                           jax.lax.dynamic_update_slice(cache["positions"], positions_bt, (0, index)),
                           jax.lax.dynamic_update_slice(cache["segment_ids"], segment_ids_bt, (0, index)))
-
         table_vd = constrain(self.embed[...], (None, "embed"))    # gather rows from a vocab-replicated table
         x_btd = jnp.take(table_vd, tokens_bt, axis=0).astype(dt)
         if c.embed_scale: x_btd = x_btd * jnp.asarray(math.sqrt(c.d_model), dt)
         x_btd = constrain(x_btd, ("batch", "length", "embed"))
-        ks, vs, rope = [], [], {}       # rope: sin/cos once per forward for local and for global layers
-        for i, layer in enumerate(self.layers):
-            local = c.is_local(i)
-            if local not in rope: rope[local] = rope_sin_cos(positions_bt, layer.attn.inv_freq())
-            kv = None if cache is None else (cache["k"][i], cache["v"][i], index)
-            block = layer if c.remat == "none" else \
-                partial(recompute_in_backward, layer, keep_projections=c.remat == "minimal")
-            x_btd, new_kv = block(x_btd, rope[local], spans, kv)
-            if cache is not None: ks.append(new_kv[0]); vs.append(new_kv[1])
+        x_btd, kv = self.run_layers(x_btd, positions_bt, spans, None if cache is None else (cache["k"], cache["v"], index))
         if logits_range is not None: x_btd = x_btd[:, logits_range[0]:logits_range[1]]
         x_btd = constrain(self.final_norm(x_btd), ("batch", "length", "embed"))
         out = x_btd if return_hidden else self.logits(x_btd)
         if cache is None: return out
-        return out, dict(k=tuple(ks), v=tuple(vs), segment_ids=spans.k_segment_ids, positions=spans.k_positions,
-                         index=index + t)
+        return out, dict(k=kv[0], v=kv[1], segment_ids=spans.k_segment_ids, positions=spans.k_positions, index=index + t)
 
     def output_weights(self) -> jax.Array:
         "The unembedding [V,D] in the parameter dtype: the embedding table when tied, else `lm_head`."
@@ -456,10 +530,72 @@ class Decoder(nnx.Module):
         return constrain(logits_btv, ("batch", "length", "vocab"))
 
 # %% ../nbs/02_model.ipynb
+@patch
+def run_layers(self: Decoder, x_btd, positions_bt, spans: Spans, kv=None):
+    "Every layer over `x_btd`: one `lax.scan` over the stacked weights (`cfg.scan_layers`), or a Python loop over their slices; `kv`: (k, v, index) of a stacked cache, carried through and written in place. Returns (x, (k, v) or None)."
+    c = self.cfg
+    mixed = mixed_windows(c)
+    kinds = sorted({c.is_local(i) for i in range(c.num_layers)})
+    rope = {local: rope_sin_cos(positions_bt, layer_inv_freq(c, local)) for local in kinds}   # once per forward
+    graphdef, state = nnx.split(self.layers)
+    def layer(x_btd, k_v, st, i, local):
+        block = nnx.merge(graphdef, st)
+        sc = jax.tree.map(lambda a, b: jnp.where(local, a, b), rope[True], rope[False]) if mixed else rope[kinds[0]]
+        mine = None if kv is None else tuple(jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False) for a in k_v) + (kv[2],)
+        if c.remat == "none": x_btd, new = block(x_btd, sc, spans, mine, local)
+        else: x_btd, new = recompute_in_backward(block, x_btd, sc, spans, mine, local, keep_projections=c.remat == "minimal")
+        if kv is None: return x_btd, None
+        k_all, v_all = k_v                                   # this layer's new keys written into the stack in place
+        return x_btd, (jax.lax.dynamic_update_slice(k_all, new[0][None].astype(k_all.dtype), (i, 0, 0, 0, kv[2])),
+                       jax.lax.dynamic_update_slice(v_all, new[1][None].astype(v_all.dtype), (i, 0, 0, kv[2], 0)))
+    k_v = None if kv is None else kv[:2]
+    locals_l = jnp.asarray([c.is_local(i) for i in range(c.num_layers)]) if mixed else None
+    if c.scan_layers:
+        def body(carry, xs):
+            x_btd, k_v = carry
+            x_btd, new = layer(x_btd, k_v, *xs)
+            return (x_btd, k_v if new is None else new), None
+        (x_btd, k_v), _ = jax.lax.scan(body, (x_btd, k_v), (state, jnp.arange(c.num_layers), locals_l))
+        return x_btd, k_v
+    for i in range(c.num_layers):                            # unrolled: the same weights, L copies of the program
+        x_btd, new = layer(x_btd, k_v, jax.tree.map(lambda a: a[i], state), i, None if locals_l is None else locals_l[i])
+        k_v = k_v if new is None else new
+    return x_btd, k_v
+
+# %% ../nbs/02_model.ipynb
+def weight_decay_mask(params):
+    "True for the weights AdamW decays, the matrices: two or more axes per layer (a stacked weight's leading `layers` axis not counted), so no norm scale is decayed."
+    def matrix(path, x):
+        stacked = any(getattr(k, "key", getattr(k, "name", None)) == "layers" for k in path)
+        return x.ndim - stacked >= 2
+    return jax.tree_util.tree_map_with_path(matrix, params)
+
+# %% ../nbs/02_model.ipynb
 def create_model(cfg: ModelConfig, *, seed: int = 0, mesh=None) -> Decoder:
     "A freshly initialised `Decoder`; with `mesh`, each weight is created directly in its shards."
     if mesh is None: return Decoder(cfg, rngs=nnx.Rngs(seed))
     return create_sharded(lambda: Decoder(cfg, rngs=nnx.Rngs(seed)), mesh)
+
+# %% ../nbs/02_model.ipynb
+def set_layer_weights(model: nnx.Module, items, shardings: dict | None = None) -> None:
+    "Set weights of `model` from `items`, (path, NumPy array) pairs whose paths are whole (`('embed',)`) or per layer (`('layers', i, ...)`), sorted so that each stack's layers come together (`stacked_path` order): a stack is gathered on the host and placed once, on `shardings[path]` (flat path -> sharding variable) when given."
+    cur, buf = None, None
+    def place():
+        var = variable_at(model, cur)
+        var.set_value(jnp.asarray(buf) if shardings is None else jax.device_put(buf, shardings[cur].get_value()))
+    for path, x in items:
+        p, i = stacked_path(path)
+        if p != cur:
+            if cur is not None: place()
+            cur, buf = p, None if i is None else np.empty(variable_at(model, p).shape, x.dtype)
+        if i is None: buf = x
+        else: buf[i] = x
+    if cur is not None: place()
+
+def layer_order(path: tuple):
+    "Sort key of weight paths that puts each stack's layers together, in layer order (see `set_layer_weights`)."
+    p, i = stacked_path(path)
+    return p, -1 if i is None else i
 
 # %% ../nbs/02_model.ipynb
 def num_params(cfg: ModelConfig) -> int:

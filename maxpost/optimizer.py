@@ -24,11 +24,13 @@ def make_schedule(cfg: TrainConfig) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(peak / warm, peak, warm - 1), after], [warm])
 
 # %% ../nbs/07f_optimizer.ipynb
+from .model import weight_decay_mask   # matrices only, stacked layers' axis not counted (02_model)
+
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    "Global-norm clipping, then AdamW on `make_schedule(cfg)` (decay on matrices only)."
+    "Global-norm clipping, then AdamW on `make_schedule(cfg)` (decay on matrices only: `weight_decay_mask`)."
     return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
                        optax.adamw(make_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2, weight_decay=cfg.weight_decay,
-                                   mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
+                                   mask=weight_decay_mask))
 
 # %% ../nbs/07f_optimizer.ipynb
 def on_mesh(tree, mesh):

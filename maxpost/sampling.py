@@ -11,7 +11,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from .model import Decoder, after, grow_cache, init_cache, plus_zero, zero_of
+from .model import Decoder, after, grow_cache, init_cache, plus_zero, repeat_cache, zero_of
 from .sharding import active_mesh, constrain, logical_spec
 from .model import LOGITS_CHUNK_SIZE, chunk_length, join_chunks, split_chunks, token_logps
 
@@ -156,9 +156,12 @@ def decode(model, cache, logits_bv, prompt_lengths, key, temperature, top_k, top
     return c["ids"], c["mask"], c["logps"], c["step"]
 
 # %% ../nbs/10_sampling.ipynb
+def _is_cache(x) -> bool: return isinstance(x, dict) and {"k", "v", "index"} <= set(x)
+
 def repeat_rows(tree, g: int):
-    "Every array in `tree` with each row repeated `g` times (row b becomes rows b*g .. b*g+g-1); scalars, such as a cache's `index`, unchanged."
-    return jax.tree.map(lambda x: jnp.repeat(x, g, 0) if x.ndim else x, tree)
+    "Every array in `tree` with each row repeated `g` times (row b becomes rows b*g .. b*g+g-1); scalars unchanged; a KV cache's rows by `repeat_cache` (its keys are stacked over the layers, rows on axis 1)."
+    return jax.tree.map(lambda x: repeat_cache(x, g) if _is_cache(x) else jnp.repeat(x, g, 0) if x.ndim else x, tree,
+                        is_leaf=_is_cache)
 
 # %% ../nbs/10_sampling.ipynb
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_completion_length", "chunk", "num_generations"))

@@ -55,6 +55,7 @@ LOGICAL_RULES = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("vocab", "tensor"),
+    ("layers", None),     # the leading axis of the stacked layers (02_model): every device holds every layer
 )
 
 def _as_tuple(a) -> tuple:

@@ -1,5 +1,6 @@
 """Hugging Face parity: tiny random transformers models -> load_hf -> same logits; save_hf -> transformers loads it."""
-import json, os
+import functools, json, os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -131,8 +132,8 @@ def test_sharded_load_matches(saved):
     family, path, _ = saved
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
     model, sharded = load_hf(path), load_hf(path, mesh=mesh)
-    q = sharded.layers[0].attn.q_proj[...]
-    assert q.sharding.spec == jax.P("fsdp", "tensor", None) and len(q.addressable_shards) == 8
+    q = sharded.layers.attn.q_proj[...]                                           # the stack: layers unsharded
+    assert q.sharding.spec == jax.P(None, "fsdp", "tensor", None) and len(q.addressable_shards) == 8
     tokens = jnp.asarray(_tokens(3, (4, 16)))
     with jax.set_mesh(mesh):
         got = nnx.jit(lambda m, t: m(t))(sharded, tokens)
@@ -222,7 +223,8 @@ def test_param_map_covers_model(saved):
     family, path, hf = saved
     model = load_hf(path)
     paths = [e.path for e in hf_param_map(model.cfg)]
-    assert sorted(map(str, paths)) == sorted(map(str, dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))))
+    from maxpost.model import layer_paths
+    assert sorted(map(str, paths)) == sorted(map(str, layer_paths(model)))          # a stacked weight: a path per layer
     hf_names = {k for k in hf.state_dict() if "rotary" not in k}
     if model.cfg.tie_embeddings: hf_names.discard("lm_head.weight")
     assert {e.hf_name for e in hf_param_map(model.cfg)} == hf_names
@@ -567,3 +569,51 @@ def test_a_run_checkpoint_loads_onto_its_shards_without_random_weights_first(tmp
         assert have[k][...].sharding == placed[k][...].sharding, k
     tokens = jnp.asarray(_tokens(5, vocab=96))
     np.testing.assert_allclose(np.asarray(got(tokens)), np.asarray(saved(tokens)), rtol=1e-5, atol=1e-5)   # sharded sums
+
+
+OLD_LAYOUT = Path(__file__).resolve().parent / "fixtures" / "old_layout_run"
+OLD_ARGS = ["run_name=old_layout", "model_name=tiny", "train_split=train[:64]", "eval_split=test[:8]", "global_batch_size=4",
+            "max_target_length=96", "log_period=1", "eval_batches=1", "warmup_steps=1",
+            "model_overrides={num_layers: 2, d_model: 32, mlp_dim: 64, num_heads: 2, num_kv_heads: 1, head_dim: 16}"]
+
+
+def test_a_run_of_the_per_layer_layout_loads_and_resumes(tmp_path):
+    """issue 47, item 2: a run directory written before the layers were stacked (2 steps of `maxpost sft` at fa7f533,
+    one array per layer: tests/fixtures/old_layout_run) restores with layer i's arrays, weights and AdamW moments, in
+    slice i of the stacks, and the run resumes from its step 2, writing its next checkpoint stacked."""
+    import shutil
+    import orbax.checkpoint as ocp
+    from maxpost.checkpoint import checkpoint_manager, restore_state, _per_layer_step
+    from maxpost.config import load_config
+    from maxpost.model import Decoder, ModelConfig
+    from maxpost.rundir import read_metrics
+    from maxpost.train import make_optimizer
+    run = tmp_path / "old_layout"
+    shutil.copytree(OLD_LAYOUT, run)
+    record = run / "config.yml"                                                     # committed as "base_output_directory: ."
+    record.write_text(record.read_text().replace("base_output_directory: .\n", f"base_output_directory: {tmp_path}\n"))
+    with ocp.PyTreeCheckpointer() as ck:                                          # the arrays as written, no target
+        raw_p, raw_o = ck.restore(run / "checkpoints" / "2" / "params"), ck.restore(run / "checkpoints" / "2" / "opt_state")
+    cfg = ModelConfig(**json.loads((run / "model_config.json").read_text()))
+    params_like = nnx.state(Decoder(cfg), nnx.Param)
+    opt_like = make_optimizer(load_config("sft", [f"base_output_directory={tmp_path}", *OLD_ARGS])).init(params_like)
+    mgr = checkpoint_manager(run / "checkpoints")
+    assert _per_layer_step(mgr, 2)
+    params, opt, meta = restore_state(mgr, params_like, opt_like)
+    assert meta["step"] == 2
+    for i in range(2):
+        for path in (("attn", "q_proj"), ("mlp", "down_proj"), ("attn", "k_norm", "scale"), ("mlp_norm", "scale")):
+            got = functools.reduce(lambda d, k: d[k], path, params["layers"])[...][i]
+            want = functools.reduce(lambda d, k: d[k], path, raw_p["layers"][str(i)])["value"]
+            np.testing.assert_array_equal(np.asarray(got), want)
+            got_nu = functools.reduce(lambda d, k: d[k], path, opt[1][0].nu["layers"])[...][i]
+            want_nu = functools.reduce(lambda d, k: d[k], path, raw_o[1][0]["nu"]["layers"][str(i)])["value"]
+            np.testing.assert_array_equal(np.asarray(got_nu), want_nu)
+            assert np.abs(want_nu).max() > 0                                        # trained moments, not zeros
+    np.testing.assert_array_equal(np.asarray(params["embed"][...]), raw_p["embed"]["value"])
+    r = subprocess.run([sys.executable, "-m", "maxpost.cli", "sft", f"base_output_directory={tmp_path}", *OLD_ARGS, "steps=3"],
+                       capture_output=True, text=True, timeout=900, cwd=ROOT,
+                       env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})   # the run's one device
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(run, "train")] == [3]                  # resumed at step 2, not restarted
+    assert not _per_layer_step(checkpoint_manager(run / "checkpoints"), 3)            # the new step is stacked

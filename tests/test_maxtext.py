@@ -263,8 +263,8 @@ def test_training_checkpoint_root_onto_a_mesh(hf_models, mt, family, tmp_path):
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
     name, overrides = DESCRIPTION[family]
     ours = load_maxtext(tmp_path / "run" / "checkpoints", name, overrides=overrides, mesh=mesh)
-    q = ours.layers[0].attn.q_proj[...]
-    assert q.sharding.spec == jax.P("fsdp", "tensor", None) and len(q.addressable_shards) == 8
+    q = ours.layers.attn.q_proj[...]                                              # the stack: layers unsharded
+    assert q.sharding.spec == jax.P(None, "fsdp", "tensor", None) and len(q.addressable_shards) == 8
     tokens = jnp.asarray(_tokens(1, (4, 16)))
     with jax.set_mesh(mesh):
         got = nnx.jit(lambda m, t: m(t))(ours, tokens)
