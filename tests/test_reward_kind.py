@@ -114,3 +114,23 @@ def test_bad_inputs_exit_2_in_one_line(tmp_path, case):
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert "Traceback" not in r.stderr and want in lines[-1], r.stderr[-3000:]
     assert not list((tmp_path / "out").glob("*/checkpoints/*"))
+
+
+def test_papermill_reward_run_and_a_misspelt_parameter(tmp_path):
+    """nbs/runs/reward.ipynb runs a few steps from its parameters and records TRL's metrics; `-p center_reward 0.1`
+    stops it before training with the configuration's error naming the key it resembles."""
+    import papermill as pm
+    nb, runs = str(Path(__file__).resolve().parent.parent / "nbs" / "runs" / "reward.ipynb"), tmp_path / "runs"
+    with pytest.raises(pm.PapermillExecutionError) as e:
+        pm.execute_notebook(nb, str(tmp_path / "bad.ipynb"), cwd=str(tmp_path), kernel_name="python3", progress_bar=False,
+                            parameters={"center_rewards_coeficient": 0.1, "base_output_directory": str(runs)})
+    assert e.value.ename == "ConfigError" and "center_rewards_coefficient" in e.value.evalue, e.value.evalue
+    assert not runs.exists()
+    pm.execute_notebook(nb, str(tmp_path / "out.ipynb"), cwd=str(tmp_path), kernel_name="python3", progress_bar=False,
+                        parameters=dict(base_output_directory=str(runs), run_name="pm", steps=2, load_parameters_path="",
+                                        global_batch_size=4, eval_batches=1, center_rewards_coefficient=0.01,
+                                        overrides=["train_split=train[:32]", "eval_split=test[:8]",
+                                                   "model_overrides={num_layers: 2}"]))
+    recs = read_metrics(runs / "pm", "train")
+    assert [r["step"] for r in recs] == [1, 2] and {"accuracy", "margin"} <= set(recs[-1])
+    assert "eval_accuracy" in read_metrics(runs / "pm", "eval")[-1]
