@@ -18,16 +18,18 @@ from .config import ConfigError
 from .sampling import prompt_positions
 
 # %% auto 0
-__all__ = ['score', 'SEQUENCE_CLASSIFIERS', 'RewardHead', 'create_head', 'last_token_index', 'reward_scores', 'reward_inputs',
-           'preference_inputs', 'reward_hf_config', 'save_reward_hf', 'read_reward_config', 'load_reward_hf']
+__all__ = ['score', 'SEQUENCE_CLASSIFIERS', 'KIND', 'RewardHead', 'create_head', 'last_token_index', 'reward_scores',
+           'reward_inputs', 'preference_inputs', 'reward_hf_config', 'save_reward_hf', 'read_reward_config',
+           'load_reward_hf', 'RewardConfig', 'load_margins', 'RewardWeights', 'attach_head', 'reward_batch_loss',
+           'make_reward_step', 'make_score_step', 'RewardTrainer', 'train_reward', 'accuracy_line', 'main']
 
 # %% ../nbs/15e_reward.ipynb
 class RewardHead(nnx.Module):
     "A reward model's scalar head: `weight` [D] (logical axis `embed`, float32), applied to final-normed hidden states."
     def __init__(self, d_model: int, *, rngs: nnx.Rngs | None = None, weight=None, std: float = 0.02):
         if weight is None: weight = std * jax.random.normal((rngs or nnx.Rngs(0)).params(), (d_model,), jnp.float32)
-        self.weight = nnx.Param(jnp.asarray(weight, jnp.float32).reshape(d_model), out_sharding=("embed",),
-                                eager_sharding=False)
+        self.weight = nnx.LoRAParam(jnp.asarray(weight, jnp.float32).reshape(d_model), out_sharding=("embed",),
+                                    eager_sharding=False)   # LoRAParam: it trains under LoRA too (below)
 
     def __call__(self, hidden_bd: jax.Array) -> jax.Array:
         "Rewards [B] (float32) of hidden states [B, D]."
@@ -140,3 +142,206 @@ def load_reward_hf(path, *, dtype=jnp.float32, mesh=None, remat: str = "none", c
             (Path(tmp) / f.relative_to(path)).symlink_to(f.resolve())
         model = load_hf(tmp, dtype=dtype, mesh=mesh, remat=remat, compute_dtype=compute_dtype)
     return model, create_head(model.cfg.d_model, weight=w[0].astype(np.float32), mesh=mesh)
+
+# %% ../nbs/15e_reward.ipynb
+import sys
+from fastcore.basics import patch
+from dataclasses import dataclass
+from typing import Optional
+from . import sharding
+from .config import TrainConfig, eval_source, key, register_kind, run_dir
+from .preference_loss import reward_loss
+from .data import PromptIterator, load_dataset_split
+from .tasks import check_held_out
+from .dpo import load_pairs, PairData
+from .policy import Setup, TrainableWeights
+from .lora import merged_state_dict
+from .timing import flops_per_token
+from .step import make_update_step
+from .sampling import split_groups
+from .train import Trainer
+from .commands import start_trainer, train_command
+
+# %% ../nbs/15e_reward.ipynb
+@dataclass
+class RewardConfig(TrainConfig):
+    "A reward model (the policy's body and a scalar head) fitted by Bradley-Terry to pairs of a chosen and a rejected reply."
+    learning_rate: float = key(1e-4, positive=True, resumable=True, help="peak learning rate (TRL's reward models: 1e-4)")
+    center_rewards_coefficient: Optional[float] = key(None, non_negative=True,
+        help="the weight of the mean squared sum of each pair's rewards, which centres the rewards at 0; null: none")
+    max_prompt_length: int = key(128, positive=True, help="prompt tokens kept (longer prompts lose their first tokens)")
+    max_completion_length: int = key(128, positive=True, help="tokens kept of each reply (longer replies lose their end)")
+    prompt_column: str = key("prompt", help="the prompt column; without one, the prompt is what chosen and rejected share")
+    chosen_column: str = key("chosen", help="the preferred reply (a string or a conversation)")
+    rejected_column: str = key("rejected", help="the dispreferred reply (a string or a conversation)")
+    margin_column: str = key("margin",
+        help="an optional column: how far the chosen reply's reward must exceed the rejected one's (absent: 0)")
+    eval_batches: int = key(4, positive=True, resumable=True, help="held-out batches of pairs for accuracy and margin")
+
+    def problems(self) -> list[str]:
+        "`TrainConfig`'s problems, and a peft adapter asked of a reward model (its head is no adapter)."
+        out = super().problems()
+        if self.save_adapter:
+            out.append("save_adapter=true: a reward model's head is no peft adapter, so the adapter alone would score "
+                       "nothing; set save_adapter=false and save_hf=true (the merged model with its head)")
+        return out
+
+# %% ../nbs/15e_reward.ipynb
+def load_margins(cfg: RewardConfig, split: str, source: str, n: int) -> np.ndarray:
+    "The `margin_column` of `split` of `source` as [n] float32 (zeros when the data has no such column, or is the embedded task's pairs)."
+    if not source: return np.zeros(n, np.float32)
+    rows = load_dataset_split(source, split, dataset_config=cfg.dataset_config)
+    if cfg.margin_column not in rows.column_names: return np.zeros(n, np.float32)
+    try: m = np.asarray(rows[cfg.margin_column], np.float64)
+    except (TypeError, ValueError):
+        raise ConfigError(f"column {cfg.margin_column!r} of {source!r} (split {split!r}) holds values that are not numbers; "
+                          "a margin is one number per pair (or drop the column, or set margin_column= to another)") from None
+    if m.shape != (n,) or not np.isfinite(m).all():
+        bad = int(np.flatnonzero(~np.isfinite(m))[0]) if m.shape == (n,) else None
+        raise ConfigError(f"column {cfg.margin_column!r} of {source!r} (split {split!r}) " +
+                          (f"is not finite at row {bad} (counting from 0)" if bad is not None else "is not one number per row") +
+                          "; give every pair a finite margin, or drop the column")
+    return m.astype(np.float32)
+
+# %% ../nbs/15e_reward.ipynb
+class RewardWeights(TrainableWeights):
+    "The trainable weights `inner` (chapter 07b: every weight, or LoRA adapters and the head) of a policy with a `score` head; `save_hf` writes a Hugging Face reward model."
+    def __init__(self, inner: TrainableWeights, pad_token_id: int):
+        self.inner, self.pad_token_id, self.lora = inner, int(pad_token_id), inner.lora
+    def split(self, model): return self.inner.split(model)
+    def checkpoint_meta(self): return self.inner.checkpoint_meta()
+    def check_restore(self, meta, where): return self.inner.check_restore(meta, where)
+    def reference_params(self, params): return self.inner.reference_params(params)
+
+    def save_hf(self, model: Decoder, path) -> Path:
+        "`save_reward_hf` of the body (under LoRA its merged weights, W + s A B) and its `score` head."
+        return save_reward_hf(model, model.score, path, self.pad_token_id, merged_state_dict(model) if self.lora else None)
+
+def attach_head(model: Decoder, seed: int = 0, mesh=None) -> Decoder:
+    "`model` with a new `RewardHead` (random from `seed`) as its attribute `score`, in place; one already there is kept."
+    if not hasattr(model, "score"): model.score = create_head(model.cfg.d_model, seed=seed, mesh=mesh)
+    return model
+
+# %% ../nbs/15e_reward.ipynb
+def reward_batch_loss(model: Decoder, b: dict, center_rewards_coefficient: float | None = None, weight: float = 1.0):
+    "(weight * loss, metrics): `reward_loss` of the pairs of a `preference_batch` with `margin` [2N] (a pair's on both its rows); the mean-like metrics weighted."
+    r = reward_scores(model, model.score, *preference_inputs(b))
+    loss, m = reward_loss(r[0::2], r[1::2], b["margin"][0::2], center_rewards_coefficient)
+    m = {**m, "loss": loss}
+    return weight * loss, {k: v if k in ("min_reward", "max_reward") else weight * v for k, v in m.items()}
+
+def make_reward_step(graphdef, tx, center_rewards_coefficient: float | None = None, accum: int = 1):
+    "Jitted `step(params, rest, opt_state, batch) -> (params, opt_state, metrics)`: `make_update_step` of `reward_batch_loss` over `accum` micro-batches of whole pairs."
+    micro = lambda model, m, totals: reward_batch_loss(model, m, center_rewards_coefficient, 1.0 / accum)
+    return make_update_step(graphdef, tx, micro, accum=accum, split=lambda b, a: split_groups(b, a, 2),
+                            combine={"min_reward": jnp.min, "max_reward": jnp.max})
+
+def make_score_step(graphdef):
+    "Jitted `(params, rest, batch) -> rewards [2N]` of a `preference_batch`: held-out scoring, no update."
+    return jax.jit(lambda params, rest, b: (lambda m: reward_scores(m, m.score, *preference_inputs(b)))(nnx.merge(graphdef, params, rest)))
+
+# %% ../nbs/15e_reward.ipynb
+class RewardTrainer(Trainer):
+    "A reward model: batches of pairs -> the scores of both replies -> Bradley-Terry `reward_loss` -> update (body and head, or LoRA adapters and the head); evaluation by held-out pair accuracy and margin."
+    kind, eval_at_start = "reward", True
+    summary_keys = ("loss", "accuracy", "margin")
+    progress_keys = ("loss", "accuracy", "eval_accuracy")
+
+    def __init__(self, cfg: RewardConfig, setup: Setup, *, progress: bool = True):
+        attach_head(setup.model, seed=cfg.seed, mesh=setup.mesh)    # before the split: the head is a trained weight
+        super().__init__(cfg, setup)
+        self.weights = RewardWeights(self.weights, self.tokenizer.pad_token_id or 0)
+        self.progress = progress
+        with self.clock("data"):
+            check_held_out(cfg)
+            self.train_data, self.train_margins = self._pairs(cfg.train_split, cfg.dataset_name, "train")
+            self.eval_data, self.eval_margins = self._pairs(cfg.eval_split, eval_source(cfg), "held-out")
+        B = cfg.global_batch_size
+        self.order = PromptIterator(list(range(len(self.train_data))), seed=cfg.seed)
+        n_eval = min(len(self.eval_data), cfg.eval_batches * B)
+        self.eval_chunks = [list(range(i, min(i + B, n_eval))) for i in range(0, n_eval, B)]
+        self.build_steps()
+        self.flops_per_token = flops_per_token(self.model_cfg, cfg.max_prompt_length + cfg.max_completion_length)
+
+# %% ../nbs/15e_reward.ipynb
+@patch
+def _pairs(self: RewardTrainer, split: str, source: str, what: str) -> tuple[PairData, np.ndarray]:
+    "The checked, tokenized pairs of `split` of `source` and their margins."
+    cfg = self.cfg
+    cols = {"prompt": cfg.prompt_column, "chosen": cfg.chosen_column, "rejected": cfg.rejected_column}
+    data = PairData(load_pairs(cfg, split, source=source), self.tokenizer, cfg.max_prompt_length,
+                    cfg.max_completion_length, columns=cols, what=f"{what} pairs ({source or 'the embedded task'}, split {split!r})")
+    if self.progress and jax.process_index() == 0: print(data.summary(), file=sys.stderr)
+    return data, load_margins(cfg, split, source, len(data))
+
+@patch
+def build_steps(self: RewardTrainer) -> None:
+    cfg = self.cfg
+    self.step_fn = self.compiled(make_reward_step(self.graphdef, self.tx, cfg.center_rewards_coefficient,
+                                                  cfg.gradient_accumulation_steps), "the reward model's step")
+    self.score_fn = self.compiled(make_score_step(self.graphdef), "held-out scoring")
+
+@patch
+def batch_of(self: RewardTrainer, data: PairData, margins: np.ndarray, indices) -> dict:
+    "The arrays of the pairs at `indices` with each pair's `margin` on both its rows; `truncated` counts cut pairs."
+    return {**data.batch(indices), "margin": np.repeat(margins[np.asarray(indices)], 2)}
+
+# %% ../nbs/15e_reward.ipynb
+@patch
+def train_step(self: RewardTrainer) -> dict:
+    b = self.batch_of(self.train_data, self.train_margins, self.order.next(self.cfg.global_batch_size))
+    arrays = sharding.shard_batch({k: v for k, v in b.items() if k != "truncated"}, self.mesh)
+    with jax.set_mesh(self.mesh):
+        self.params, self.opt_state, m = self.run_step("step_fn", self.params, self.rest, self.opt_state, arrays)
+    tokens = int(b["prompt_mask"].sum() + b["completion_mask"].sum()) * jax.process_count()
+    return {**m, "num_tokens": tokens, "truncated_pairs": b["truncated"]}
+
+@patch
+def held_out_scores(self: RewardTrainer) -> tuple[np.ndarray, np.ndarray]:
+    "(chosen, rejected) scores [n] of the held-out pairs evaluated, a batch at a time."
+    B, out = self.cfg.global_batch_size, []
+    for idx in self.eval_chunks:
+        b = self.batch_of(self.eval_data, self.eval_margins, idx + idx[-1:] * (B - len(idx)))   # one compiled shape
+        b.pop("truncated")
+        with jax.set_mesh(self.mesh):
+            r = np.asarray(jax.device_get(self.run_step("score_fn", self.params, self.rest, sharding.shard_batch(b, self.mesh))))
+        out.append(r.reshape(-1, 2)[:len(idx)])
+    both = np.concatenate(out) if out else np.zeros((0, 2), np.float32)
+    return both[:, 0], both[:, 1]
+
+@patch
+def evaluate(self: RewardTrainer) -> dict:
+    "TRL's metrics over the held-out pairs: `eval_loss` (with their margins), `eval_accuracy`, `eval_margin`, the rewards' min / mean / max."
+    chosen, rejected = self.held_out_scores()
+    if not len(chosen): return {}
+    n = sum(map(len, self.eval_chunks))
+    loss, m = reward_loss(chosen, rejected, self.eval_margins[:n], self.cfg.center_rewards_coefficient)
+    return {f"eval_{k}": float(v) for k, v in {"loss": loss, **m}.items()}
+
+@patch
+def data_state(self: RewardTrainer) -> dict: return self.order.state()
+@patch
+def restore_data(self: RewardTrainer, state: dict) -> None: self.order.restore(state)
+
+RewardTrainer.memory_knobs = ("remat_policy=full, a larger gradient_accumulation_steps (micro-batches of whole pairs), a "
+                              "smaller global_batch_size, a shorter max_prompt_length or max_completion_length, LoRA "
+                              "(lora_rank=), or more devices (fsdp_parallelism)")
+
+# %% ../nbs/15e_reward.ipynb
+def train_reward(cfg: RewardConfig, *, progress: bool = True) -> dict:
+    "Run (or resume) reward-model training as configured; returns the final metrics."
+    return start_trainer(RewardTrainer, cfg, progress=progress).fit(progress=progress)
+
+def accuracy_line(cfg: RewardConfig, out: dict) -> str | None:
+    "One line: the held-out pair accuracy before training and after."
+    from maxpost.rundir import read_metrics
+    ev = [r for r in read_metrics(run_dir(cfg), "eval") if "eval_accuracy" in r]
+    if not ev: return None
+    return (f"held-out pair accuracy {ev[0]['eval_accuracy']:.1%} at step {ev[0]['step']} -> {ev[-1]['eval_accuracy']:.1%} "
+            f"at step {ev[-1]['step']} (margin {ev[-1]['eval_margin']:.3g})")
+
+def main(argv=None) -> int:
+    "`maxpost reward [base.yml] key=value ...`: the run, then its held-out pair accuracy before and after."
+    return train_command("reward", argv, report=lambda cfg, out: [accuracy_line(cfg, out)])
+
+KIND = register_kind("reward", RewardConfig, main, "a reward model (Bradley-Terry) from preference pairs (base: configs/reward.yml)", trainer=RewardTrainer)
