@@ -19,7 +19,8 @@ from .policy import (Setup, TrainableWeights, model_options, read_model_config, 
                             use_compilation_cache)
 from .rundir import RunLock, MetricsLogger, as_scalar, read_metrics
 from .timing import Clock, StepTiming, compile_watch, device_peak_flops, timing_lines
-from .memory import MemoryShortfall, check_memory, memory_needed   # memory_needed: 03c_lora's check imports it from here
+from .memory import (MemoryShortfall, check_memory, memory_needed, compile_shortfall, device_memory,
+                            out_of_memory, remat_to_start)   # memory_needed: 03c_lora's check imports it from here
 from .optimizer import make_optimizer, make_schedule, init_opt_state
 
 # %% auto 0
@@ -147,8 +148,9 @@ class RunStopped(Exception):
 
 # %% ../nbs/08_train.ipynb
 class StepCompiler:
-    "A jitted function compiled once per input signature; each new program goes to `on_compile` before it runs."
-    def __init__(self, jitted, on_compile=None): self.jitted, self.on_compile, self.programs = jitted, on_compile, {}
+    "A jitted function compiled once per input signature; each new program goes to `on_compile` before it runs, a compile's error to `on_error` (which may raise another)."
+    def __init__(self, jitted, on_compile=None, on_error=None):
+        self.jitted, self.on_compile, self.on_error, self.programs = jitted, on_compile, on_error, {}
 
     @staticmethod
     def _layout(x):
@@ -169,7 +171,10 @@ class StepCompiler:
         "The compiled program for `args` (arrays or `jax.ShapeDtypeStruct`s), compiling it the first time."
         key = self._signature(args)
         if key not in self.programs:
-            program = self.jitted.lower(*args).compile()
+            try: program = self.jitted.lower(*args).compile()
+            except Exception as e:
+                if self.on_error is not None: self.on_error(e)
+                raise
             if self.on_compile is not None: self.on_compile(program)
             self.programs[key] = program
         return self.programs[key]
@@ -231,10 +236,13 @@ class Trainer:
             if not self.cfg.check_memory: return
             with self.clock("memory_check"): line = check_memory(label, program, self.memory_knobs)
             if jax.process_index() == 0 and getattr(self, "progress", True): print(f"memory: {line}", file=sys.stderr)
-        return StepCompiler(jitted, on_compile=check)
+        def refused(e):                       # a TPU's compile raises RESOURCE_EXHAUSTED: the same shortfall, one line
+            if out_of_memory(e): raise compile_shortfall(label, e, self.memory_knobs) from None
+        return StepCompiler(jitted, on_compile=check, on_error=refused)
 
     def run_step(self, name: str, *args):
-        "Call the step `self.<name>`; with `remat_policy=auto`, move to the next remat policy while it cannot fit."
+        "Call the step `self.<name>`; with `remat_policy=auto`, start where the estimate says it fits (`_start_remat`) and move to the next remat policy while it cannot fit."
+        if not getattr(self, "_remat_started", False): _start_remat(self)
         while True:
             try: return getattr(self, name)(*args)
             except MemoryShortfall as e:
@@ -242,13 +250,33 @@ class Trainer:
                 if self.cfg.remat_policy != "auto" or now == policies[-1]: raise
                 nxt = policies[policies.index(now) + 1]
                 if jax.process_index() == 0: print(f"memory: remat {now!r} does not fit ({e}); trying {nxt!r}", file=sys.stderr)
-                model = set_model_options(nnx.merge(self.graphdef, self.params, self.rest), remat=nxt)
-                self.graphdef, self.model_cfg = nnx.graphdef(model), model.cfg
-                self.build_steps()
+                _set_remat(self, nxt)
 
     def fit(self, *, progress: bool = True) -> dict:
         "Run (or resume) `cfg.steps` steps; returns the last logged metrics and the final evaluation."
         with RunLock(run_dir(self.cfg), enabled=jax.process_index() == 0): return _fit(self, progress)
+
+# %% ../nbs/08_train.ipynb
+def _set_remat(tr: Trainer, policy: str) -> None:
+    "Rebuild `tr`'s model and steps with remat `policy` (nothing has run yet: the inputs are untouched)."
+    model = set_model_options(nnx.merge(tr.graphdef, tr.params, tr.rest), remat=policy)
+    tr.graphdef, tr.model_cfg = nnx.graphdef(model), model.cfg
+    tr.build_steps()
+
+def _step_tokens(cfg: TrainConfig) -> int:
+    "Tokens of one micro-batch of the training step, over all devices: a sequence is `max_target_length` tokens, or a prompt and its completion."
+    seq = getattr(cfg, "max_target_length", None) or getattr(cfg, "max_prompt_length", 0) + getattr(cfg, "max_completion_length", 0)
+    return cfg.global_batch_size // max(cfg.gradient_accumulation_steps, 1) * seq
+
+def _start_remat(tr: Trainer) -> None:
+    "With `remat_policy=auto`, before the first compile: start at the least-recompute policy whose estimated activations fit (`remat_to_start`, chapter `07e_memory`), so that a policy that clearly cannot fit is never compiled."
+    tr._remat_started = True
+    if tr.cfg.remat_policy != "auto": return
+    n = tr.mesh.devices.size
+    grads = sum(x.nbytes for x in jax.tree.leaves(tr.params)) // n
+    pick, line = remat_to_start(tr.model_cfg, _step_tokens(tr.cfg) // n, grads, device_memory()[0])
+    if jax.process_index() == 0 and getattr(tr, "progress", True): print(f"memory: {line}", file=sys.stderr)
+    if pick != tr.model_cfg.remat: _set_remat(tr, pick)
 
 # %% ../nbs/08_train.ipynb
 def _resume(tr: Trainer, ckpts: RunCheckpoints) -> None:
