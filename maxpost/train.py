@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_train.ipynb 4
 from __future__ import annotations
-import dataclasses, json, math, queue, shutil, signal, sys, threading, time
+import concurrent.futures, contextlib, dataclasses, json, math, queue, shutil, signal, sys, threading, time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -25,7 +25,7 @@ from .optimizer import make_optimizer, make_schedule, init_opt_state
 
 # %% auto 0
 __all__ = ['check_finite', 'config_changes', 'check_resume', 'precheck_run_dir', 'RunCheckpoints', 'StopSignal', 'RunStopped',
-           'StepCompiler', 'Trainer', 'Prefetcher']
+           'StepCompiler', 'compile_ahead', 'Trainer', 'compile_step_ahead', 'Prefetcher']
 
 # %% ../nbs/08_train.ipynb
 def check_finite(step: int, loss: float, params_finite, latest_checkpoint: int | None, where) -> None:
@@ -150,7 +150,7 @@ class RunStopped(Exception):
 class StepCompiler:
     "A jitted function compiled once per input signature; each new program goes to `on_compile` before it runs, a compile's error to `on_error` (which may raise another)."
     def __init__(self, jitted, on_compile=None, on_error=None):
-        self.jitted, self.on_compile, self.on_error, self.programs = jitted, on_compile, on_error, {}
+        self.jitted, self.on_compile, self.on_error, self.programs, self.ahead = jitted, on_compile, on_error, {}, {}
 
     @staticmethod
     def _layout(x):
@@ -168,18 +168,32 @@ class StepCompiler:
         return tree, tuple((np.shape(x), dtype(x), cls._layout(x)) for x in leaves)
 
     def compile(self, *args):
-        "The compiled program for `args` (arrays or `jax.ShapeDtypeStruct`s), compiling it the first time."
+        "The compiled program for `args` (arrays or `jax.ShapeDtypeStruct`s), compiling it the first time, or waiting for the one `compile_ahead` started (its error raised here)."
         key = self._signature(args)
         if key not in self.programs:
-            try: program = self.jitted.lower(*args).compile()
-            except Exception as e:
-                if self.on_error is not None: self.on_error(e)
-                raise
-            if self.on_compile is not None: self.on_compile(program)
+            ahead = self.ahead.pop(key, None)
+            program = ahead.result() if ahead is not None else self._lower(args)
+            if self.on_compile is not None: self.on_compile(program)    # on the caller's thread, before it runs
             self.programs[key] = program
         return self.programs[key]
 
+    def _lower(self, args, mesh=None):
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            try: return self.jitted.lower(*args).compile()
+            except Exception as e:
+                if self.on_error is not None: self.on_error(e)
+                raise
+
     def __call__(self, *args): return self.compile(*args)(*args)
+
+# %% ../nbs/08_train.ipynb
+_COMPILER = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="compile")   # XLA compiles without the GIL
+
+def compile_ahead(compiler: StepCompiler, *args, mesh=None) -> None:
+    "Start compiling `compiler`'s program for `args` (arrays or `jax.ShapeDtypeStruct`s) on a thread, traced under `mesh`, while the caller goes on (loads data, compiles another program); the first call with that signature waits for it."
+    key = compiler._signature(args)
+    if key not in compiler.programs and key not in compiler.ahead:
+        compiler.ahead[key] = _COMPILER.submit(compiler._lower, args, mesh)
 
 # %% ../nbs/08_train.ipynb
 class Trainer:
@@ -277,6 +291,11 @@ def _start_remat(tr: Trainer) -> None:
     pick, line = remat_to_start(tr.model_cfg, _step_tokens(tr.cfg) // n, grads, device_memory()[0])
     if jax.process_index() == 0 and getattr(tr, "progress", True): print(f"memory: {line}", file=sys.stderr)
     if pick != tr.model_cfg.remat: _set_remat(tr, pick)
+
+def compile_step_ahead(tr: Trainer, name: str, *args) -> None:
+    "Start compiling the step `tr.<name>` (a `StepCompiler`) for `args` on a thread (`compile_ahead`), at the remat policy `auto` starts at: chosen here, before the first compile."
+    if not getattr(tr, "_remat_started", False): _start_remat(tr)
+    compile_ahead(getattr(tr, name), *args, mesh=tr.mesh)
 
 # %% ../nbs/08_train.ipynb
 def _resume(tr: Trainer, ckpts: RunCheckpoints) -> None:

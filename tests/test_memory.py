@@ -106,16 +106,20 @@ def _sft_refusing(tmp_path, monkeypatch, refuse, *extra):
     cfg = load_config("sft", [f"base_output_directory={tmp_path}", "run_name=r", "model_name=tiny", "steps=2",
                               "train_split=train[:64]", "eval_split=test[:8]", "global_batch_size=8",
                               "max_target_length=96", "eval_batches=1", *extra])
-    tried, real, box = [], jax.stages.Lowered.compile, {}
-    def compile(self, *a, **k):
-        tr = box.get("tr")
-        if tr is not None and getattr(tr, "_remat_started", False):
-            tried.append(tr.model_cfg.remat)
-            if tr.model_cfg.remat in refuse: raise jax.errors.JaxRuntimeError(TPU_SAYS)
+    import maxpost.train as train_mod
+    tried, real, now = [], jax.stages.Lowered.compile, {"remat": "none"}     # the policy the model is built with
+    def set_options(model, **kw):                                            # each policy `auto` moves the model to
+        now["remat"] = kw.get("remat", now["remat"])
+        return set_model(model, **kw)
+    set_model = train_mod.set_model_options
+    monkeypatch.setattr(train_mod, "set_model_options", set_options)
+    def compile(self, *a, **k):          # the training step's compiles (ahead, on a thread, or at the first step)
+        if getattr(self._lowering, "_name", "") == "jit(step)":
+            tried.append(now["remat"])
+            if now["remat"] in refuse: raise jax.errors.JaxRuntimeError(TPU_SAYS)
         return real(self, *a, **k)
     monkeypatch.setattr(jax.stages.Lowered, "compile", compile)
-    box["tr"] = tr = start_trainer(SFTTrainer, cfg)
-    return tr, tried
+    return start_trainer(SFTTrainer, cfg), tried
 
 
 def test_auto_moves_past_a_compile_that_raises_resource_exhausted(tmp_path, monkeypatch, capsys):
