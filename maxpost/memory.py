@@ -7,11 +7,13 @@ from __future__ import annotations
 import os
 
 import jax
+import jax.numpy as jnp
 
-from .config import ConfigError
+from .config import ConfigError, REMAT_POLICIES
 
 # %% auto 0
-__all__ = ['memory_needed', 'device_memory', 'MemoryShortfall', 'check_memory']
+__all__ = ['memory_needed', 'device_memory', 'MemoryShortfall', 'check_memory', 'out_of_memory', 'compile_shortfall',
+           'activation_bytes', 'remat_to_start']
 
 # %% ../nbs/07e_memory.ipynb
 def memory_needed(compiled) -> dict:
@@ -53,3 +55,29 @@ def check_memory(label: str, compiled, knobs: str) -> str:
         raise MemoryShortfall(f"{line}: short by {_gib(need['running'] - free)}. To fit: {knobs}; or set "
                               "check_memory=false to try anyway")
     return line
+
+# %% ../nbs/07e_memory.ipynb
+def out_of_memory(e: BaseException) -> bool:
+    "Whether `e` is XLA's compile saying a program does not fit the device (a TPU raises where a CPU returns a program)."
+    return type(e).__name__ in ("XlaRuntimeError", "JaxRuntimeError") and "RESOURCE_EXHAUSTED" in str(e)
+
+def compile_shortfall(label: str, e: BaseException, knobs: str) -> MemoryShortfall:
+    "The one-line `MemoryShortfall` for a compile that raised `RESOURCE_EXHAUSTED`: XLA's own numbers, then `knobs`."
+    lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+    said = [lines[0]] + [l for l in lines[1:] if "exceed" in l.lower() or "used" in l.lower()][:1]
+    return MemoryShortfall(f"{label} does not fit the device: XLA's compile says {' '.join(said)[:400]}. To fit: {knobs}")
+
+def activation_bytes(cfg, tokens: int, policy: str) -> int:
+    "Estimated bytes the backward keeps from the forward under remat `policy` for `tokens` tokens (per device) of a decoder with `ModelConfig` `cfg`."
+    D, F, L = cfg.d_model, cfg.mlp_dim, cfg.num_layers
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer = 6 * D + 2 * q + 2 * kv + 3 * F                       # every array of a block the backward reads
+    kept = {"none": layer * L, "minimal": (3 * D + 2 * q + 2 * kv + 2 * F) * L + layer, "full": D * L + layer}[policy]
+    return int(kept * tokens * jnp.dtype(cfg.dtype).itemsize)
+
+def remat_to_start(cfg, tokens: int, gradients: int, free: int) -> tuple[str, str]:
+    "`(policy, line)`: the least-recompute remat policy whose estimated activations plus `gradients` bytes fit in `free` (`full` when none is predicted to), and a line that says why."
+    est = {p: activation_bytes(cfg, tokens, p) + gradients for p in REMAT_POLICIES}
+    pick = next((p for p in REMAT_POLICIES if est[p] <= free), REMAT_POLICIES[-1])
+    return pick, (f"remat_policy=auto starts at {pick!r}: activations and gradients estimated at "
+                  + ", ".join(f"{p} {_gib(b)}" for p, b in est.items()) + f" per device, {_gib(free)} free")

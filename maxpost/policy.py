@@ -271,6 +271,8 @@ def setup_run(cfg: RunConfig, *, devices=None, models: dict[str, str] | None = N
     return Setup(mesh, tokenizer, tok_dir, loaded)
 
 # %% ../nbs/07b_policy.ipynb
+_copy_tree = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))   # one program for every array, not one per shape
+
 class TrainableWeights:
     "What of the model trains; `split`, `checkpoint_meta`, `check_restore`, `reference_params` and `export` say what that means for the run."
     lora = False
@@ -288,7 +290,7 @@ class TrainableWeights:
 
     def reference_params(self, params):
         "The reference policy's trainable weights: a copy of `params` (they are donated and overwritten by the step)."
-        return jax.tree.map(jnp.copy, params)
+        return _copy_tree(params)
 
     def save_hf(self, model: nnx.Module, path) -> Path:
         "A Hugging Face directory of `model`."

@@ -272,6 +272,12 @@ def make_rl_step(graphdef, tx, loss_kwargs: dict, temperature: float, num_genera
                             split=lambda b, parts: split_groups(b, parts, num_generations))
 
 # %% ../nbs/15_rl.ipynb
+# The rollout's arithmetic on host data, each one program: run eagerly, every jnp operation in them is a program of
+# its own (compiled, then dispatched: a dozen compiles before the first step on a TPU, ~0.1-0.5 s each)
+_advantages_fn = jax.jit(group_advantages, static_argnums=1, static_argnames=("scale", "std_ddof", "eps"))
+_importance_fn = jax.jit(importance_weights, static_argnames=("mode", "clip_max", "clip_min"))
+
+# %% ../nbs/15_rl.ipynb
 class RLTrainer(Trainer):
     "GRPO / GSPO: rollout -> rewards -> group-relative advantages -> π_old / π_ref log-probs -> μ passes of mini-batch updates."
     kind, eval_at_start = "rl", True
@@ -339,7 +345,7 @@ class RLTrainer(Trainer):
             total, _, reward_metrics = compute_rewards(self.rewards, [e["question"] for e in examples for _ in range(G)],
                                                        r.text, columns, timeout_s=cfg.reward_timeout_s,
                                                        isolation=cfg.reward_isolation)
-        adv = np.asarray(group_advantages(jnp.asarray(total), G, scale=cfg.advantage_scale), np.float32)
+        adv = np.asarray(_advantages_fn(np.asarray(total, np.float32), G, scale=cfg.advantage_scale), np.float32)
         batch = dict(prompt_ids=r.prompt_ids, prompt_mask=r.prompt_mask, completion_ids=r.completion_ids,
                      completion_mask=r.completion_mask, advantages=adv)
         info = {**rollout_metrics(total, adv, r.completion_ids, r.completion_mask, G, self.sampling["eos_ids"]),
@@ -358,7 +364,7 @@ class RLTrainer(Trainer):
         correct = self.correction["mode"] != "none"
         if self.updates_per_step > 1 or correct:   # the policy moves before the last update, or the sampler is not it
             batch["old_per_token_logps"] = np.asarray(self.run_step("logps_fn", self.params, self.rest, dev))   # π_prox
-            w, m = importance_weights(batch["old_per_token_logps"], ro["sampler_logps"], batch["completion_mask"],
+            w, m = _importance_fn(batch["old_per_token_logps"], ro["sampler_logps"], batch["completion_mask"],
                                       **self.correction)
             info |= {k: float(v) for k, v in m.items()}
             if correct: batch["importance_weights"] = np.asarray(w)

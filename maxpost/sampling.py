@@ -16,10 +16,10 @@ from .sharding import active_mesh, constrain, logical_spec
 from .model import LOGITS_CHUNK_SIZE, chunk_length, join_chunks, split_chunks, token_logps
 
 # %% auto 0
-__all__ = ['bucket_length', 'left_pad', 'prompt_positions', 'filter_logits', 'draw_categorical', 'first_argmax', 'sample_token',
-           'scaled_logps', 'sample_token_logp', 'scaled_entropy', 'prefill', 'decode_chunk', 'decode', 'repeat_rows',
-           'sample_completions', 'stop_id_array', 'Rollout', 'generate', 'chunked_logps', 'completion_logps',
-           'split_groups', 'merge_groups', 'make_logps_fn']
+__all__ = ['bucket_length', 'left_pad', 'warn_truncated_prompts', 'prompt_positions', 'filter_logits', 'draw_categorical',
+           'first_argmax', 'sample_token', 'scaled_logps', 'sample_token_logp', 'scaled_entropy', 'prefill',
+           'decode_chunk', 'decode', 'repeat_rows', 'sample_completions', 'stop_id_array', 'Rollout', 'generate',
+           'chunked_logps', 'completion_logps', 'split_groups', 'merge_groups', 'make_logps_fn']
 
 # %% ../nbs/10_sampling.ipynb
 def bucket_length(n: int, max_prompt_length: int, min_bucket: int = 16) -> int:
@@ -38,6 +38,16 @@ def left_pad(prompts: Sequence[Sequence[int]], max_prompt_length: int, pad_id: i
     mask = np.zeros((len(prompts), P), np.int32)
     for i, p in enumerate(prompts): ids[i, P - len(p):], mask[i, P - len(p):] = p, 1
     return ids, mask, num_truncated
+
+# %% ../nbs/10_sampling.ipynb
+_TRUNCATION_WARNED: set = set()    # the max_prompt_length values already warned about in this process
+
+def warn_truncated_prompts(n: int, total: int, max_prompt_length: int) -> None:
+    "Warn that `n` of `total` prompts were cut from the left, once per process (a run) and `max_prompt_length`: a rollout batch after another would say it every step."
+    if not n or max_prompt_length in _TRUNCATION_WARNED: return
+    _TRUNCATION_WARNED.add(max_prompt_length)
+    warnings.warn(f"{n} of {total} prompts ({n / total:.0%}) are longer than max_prompt_length={max_prompt_length} and "
+                  "were truncated from the left (said once; RL logs truncated_prompts each step)", stacklevel=3)
 
 # %% ../nbs/10_sampling.ipynb
 def prompt_positions(mask_bp: jax.Array) -> jax.Array:
@@ -203,8 +213,7 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], *, max_prompt_length: i
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0: raise ValueError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
     if num_generations < 1 or max_completion_length < 1: raise ValueError("need num_generations >= 1 and max_completion_length >= 1")
     ids, mask, n_trunc = left_pad(prompt_ids, max_prompt_length, pad_id, min_bucket)
-    if n_trunc: warnings.warn(f"{n_trunc} of {len(ids)} prompts are longer than max_prompt_length={max_prompt_length} "
-                              "and were truncated from the left")
+    warn_truncated_prompts(n_trunc, len(ids), max_prompt_length)
     graphdef, state = nnx.split(model)
     out = sample_completions(graphdef, state, ids, mask, jax.random.key(seed), np.float32(temperature),
                              np.int32(top_k), np.float32(top_p), stop_id_array(eos_ids), np.int32(pad_id),

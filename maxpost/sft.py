@@ -18,7 +18,7 @@ from .sft_loss import model_sft_loss, target_weights, summarize_metrics
 from .tasks import embedded_split, check_held_out
 from .policy import Setup
 from .timing import flops_per_token
-from .train import Trainer, Prefetcher
+from .train import Trainer, Prefetcher, compile_step_ahead
 from .commands import command_config, print_summary, start_trainer
 from .step import make_update_step, split_micro_batches
 from .evaluate import eval_config_for, load_eval_examples, run_evaluation
@@ -112,6 +112,10 @@ class SFTTrainer(Trainer):
     def __init__(self, cfg: SFTConfig, setup: Setup, *, progress: bool = True):
         super().__init__(cfg, setup)
         _check_batch(cfg, self.mesh)
+        self.build_steps()        # the step compiles on a thread while the data below loads (`compile_step_ahead`)
+        rows = np.zeros((cfg.global_batch_size // jax.process_count(), cfg.max_target_length), np.int32)
+        compile_step_ahead(self, "step_fn", self.params, self.rest, self.opt_state,
+                           sharding.shard_batch({k: rows for k in ("tokens", "segment_ids", "positions", "loss_mask")}, self.mesh))
         with self.clock("data"):
             check_held_out(cfg)
             self.train_it = sft_data(cfg, self.tokenizer, cfg.train_split, shuffle=True)
@@ -122,7 +126,6 @@ class SFTTrainer(Trainer):
                                       max_dropped_share=cfg.max_dropped_share, what=what)
                 if progress and jax.process_index() == 0: print(line, file=sys.stderr)
         self.batches = Prefetcher(self.train_it, self._prepare)   # the next batches, on the devices, made while a step runs
-        self.build_steps()
         self.flops_per_token = flops_per_token(self.model_cfg, cfg.max_target_length)
 
     def build_steps(self) -> None:

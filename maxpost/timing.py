@@ -13,7 +13,7 @@ from .config import _IMPORTED as _config_imported
 
 # %% auto 0
 __all__ = ['PEAK_BF16_FLOPS', 'flops_per_token', 'device_peak_flops', 'Clock', 'CompileWatch', 'compile_watch',
-           'process_start_time', 'StepTiming', 'timing_lines']
+           'compiled_programs', 'process_start_time', 'StepTiming', 'timing_lines']
 
 # %% ../nbs/07d_timing.ipynb
 PEAK_BF16_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12,
@@ -68,12 +68,15 @@ _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/
 class CompileWatch:
     "JAX's compilations as its monitoring events report them: the wall intervals spent tracing, lowering and compiling, and when each program was compiled (a persistent-cache hit is no compilation)."
     def __init__(self):
-        self.spans, self.compiled, self.hits = [], [], []
+        self.spans, self.compiled, self.hits, self.named = [], [], [], []
         jax.monitoring.register_event_time_span_listener(self._span)
         jax.monitoring.register_event_listener(self._event)
 
     def _span(self, event, start, end, **kw):
-        if event in _COMPILE_EVENTS: self.spans.append((start, end))
+        if event in _COMPILE_EVENTS:
+            self.spans.append((start, end))
+            name = str(kw.get("fun_name", "?"))                    # `jit(sft_step)`: the jitted function's name
+            self.named.append((name[4:-1] if name.startswith("jit(") else name, start, end, event == _COMPILE_EVENTS[-1]))
         if event == _COMPILE_EVENTS[-1]: self.compiled.append(end)
     def _event(self, event, **kw):
         if event == "/jax/compilation_cache/cache_hits": self.hits.append(time.time())
@@ -91,11 +94,22 @@ class CompileWatch:
         inside = lambda ts: sum(start <= t <= end + 1e-3 for t in ts)
         return inside(self.compiled) - inside(self.hits)
 
+# %% ../nbs/07d_timing.ipynb
 _WATCH: list = []
 def compile_watch() -> CompileWatch:
     "The process's one `CompileWatch` (made at the first call: compilations before it are not seen)."
     if not _WATCH: _WATCH.append(CompileWatch())
     return _WATCH[0]
+
+def compiled_programs(watch: CompileWatch, start: float, end: float) -> dict:
+    "The programs compiled between `start` and `end` by the jitted function's name, longest first: `{name: {count, seconds}}`, seconds of tracing, lowering and compiling (concurrent compiles each counted whole), count without the persistent cache's answers."
+    hits, out = [t for t in watch.hits if start <= t <= end + 1e-3], {}
+    for name, a, b, backend in watch.named:
+        if not start <= b <= end + 1e-3: continue
+        o = out.setdefault(name, {"count": 0, "seconds": 0.0})
+        o["seconds"] += b - a
+        o["count"] += backend and not any(a <= t <= b + 1e-3 for t in hits)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["seconds"]))
 
 # %% ../nbs/07d_timing.ipynb
 def process_start_time() -> float:
@@ -159,15 +173,18 @@ class StepTiming:
         self.includes_first = False
 
     def record(self) -> dict | None:
-        "What `timing.json` holds: the first step's parts, the mean `timing/*` of the steps after it, how many."
+        "What `timing.json` holds: the first step's parts, the mean `timing/*` of the steps after it, how many, and the programs compiled by name (`compiled_programs`) before the first step's end and after it."
         if self.first is None: return None
         steps = {k: v / self.timed for k, v in self.sums.items()} if self.timed else {}
-        return {"first_step": self.first, "steps": steps, "steps_timed": self.timed}
+        w, end = compile_watch(), self.first_end
+        return {"first_step": self.first, "steps": steps, "steps_timed": self.timed,
+                "programs": compiled_programs(w, self.tr.started, end), "later_programs": compiled_programs(w, end + 1e-3, time.time())}
 
 # %% ../nbs/07d_timing.ipynb
 def _first_step(self: StepTiming, end: float) -> dict:
     "Process start to the end of the first step, in parts that add up to `total`: compilation taken out of the part it happened in."
     tr, w = self.tr, compile_watch()
+    self.first_end = end
     parts = {**self.init_parts}
     for k, v in tr.clock.parts.items(): parts[k] = parts.get(k, 0.0) + v
     spans = self.init_spans + tr.clock.spans
@@ -182,12 +199,23 @@ def _first_step(self: StepTiming, end: float) -> dict:
     out["other"] = out["total"] - sum(v for k, v in out.items() if k not in ("compiles", "total"))
     return out
 
+def _program_list(programs: dict | None, most: int = 8) -> str:
+    "`: sft_step 23.1 s, sample_completions 3x 12.0 s, ...` (longest first), or nothing."
+    if not programs: return ""
+    name = lambda k, v: f"{k} {v['count']}x" if v["count"] > 1 else k
+    out = [f"{name(k, v)} {v['seconds']:.1f} s" for k, v in list(programs.items())[:most]]
+    rest = list(programs.values())[most:]
+    if rest: out.append(f"{len(rest)} more {sum(v['seconds'] for v in rest):.1f} s")
+    return ": " + ", ".join(out)
+
 def timing_lines(rec: dict) -> list[str]:
     "`timing.json`'s record as lines: the time to the first step, then the mean step, one line per part."
     f, s = rec["first_step"], rec["steps"]
     out = [f"time to first step {f['total']:.2f} s:"]
-    out += [f"  {k:<13}{f[k]:8.3f} s" + (f" ({f['compiles']} program{'s' * (f['compiles'] != 1)})" if k == "compile" else "")
+    out += [f"  {k:<13}{f[k]:8.3f} s" + (f" ({f['compiles']} program{'s' * (f['compiles'] != 1)}"
+                                        f"{_program_list(rec.get('programs'))})" if k == "compile" else "")
             for k in f if k not in ("total", "compiles")]
+    if rec.get("later_programs"): out.append(f"  compiled after the first step:{_program_list(rec['later_programs'])[1:]}")
     if s:
         out.append(f"steady step {1e3 * s['timing/step']:.2f} ms (mean of {rec['steps_timed']} steps):")
         out += [f"  {k.removeprefix('timing/'):<13}{1e3 * v:8.3f} ms" for k, v in s.items() if k != "timing/step"]

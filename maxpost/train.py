@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_train.ipynb 4
 from __future__ import annotations
-import dataclasses, json, math, queue, shutil, signal, sys, threading, time
+import concurrent.futures, contextlib, dataclasses, json, math, queue, shutil, signal, sys, threading, time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -19,12 +19,13 @@ from .policy import (Setup, TrainableWeights, model_options, read_model_config, 
                             use_compilation_cache)
 from .rundir import RunLock, MetricsLogger, as_scalar, read_metrics
 from .timing import Clock, StepTiming, compile_watch, device_peak_flops, timing_lines
-from .memory import MemoryShortfall, check_memory, memory_needed   # memory_needed: 03c_lora's check imports it from here
+from .memory import (MemoryShortfall, check_memory, memory_needed, compile_shortfall, device_memory,
+                            out_of_memory, remat_to_start)   # memory_needed: 03c_lora's check imports it from here
 from .optimizer import make_optimizer, make_schedule, init_opt_state
 
 # %% auto 0
 __all__ = ['check_finite', 'config_changes', 'check_resume', 'precheck_run_dir', 'RunCheckpoints', 'StopSignal', 'RunStopped',
-           'StepCompiler', 'Trainer', 'Prefetcher']
+           'StepCompiler', 'compile_ahead', 'Trainer', 'compile_step_ahead', 'Prefetcher']
 
 # %% ../nbs/08_train.ipynb
 def check_finite(step: int, loss: float, params_finite, latest_checkpoint: int | None, where) -> None:
@@ -147,8 +148,9 @@ class RunStopped(Exception):
 
 # %% ../nbs/08_train.ipynb
 class StepCompiler:
-    "A jitted function compiled once per input signature; each new program goes to `on_compile` before it runs."
-    def __init__(self, jitted, on_compile=None): self.jitted, self.on_compile, self.programs = jitted, on_compile, {}
+    "A jitted function compiled once per input signature; each new program goes to `on_compile` before it runs, a compile's error to `on_error` (which may raise another)."
+    def __init__(self, jitted, on_compile=None, on_error=None):
+        self.jitted, self.on_compile, self.on_error, self.programs, self.ahead = jitted, on_compile, on_error, {}, {}
 
     @staticmethod
     def _layout(x):
@@ -166,15 +168,32 @@ class StepCompiler:
         return tree, tuple((np.shape(x), dtype(x), cls._layout(x)) for x in leaves)
 
     def compile(self, *args):
-        "The compiled program for `args` (arrays or `jax.ShapeDtypeStruct`s), compiling it the first time."
+        "The compiled program for `args` (arrays or `jax.ShapeDtypeStruct`s), compiling it the first time, or waiting for the one `compile_ahead` started (its error raised here)."
         key = self._signature(args)
         if key not in self.programs:
-            program = self.jitted.lower(*args).compile()
-            if self.on_compile is not None: self.on_compile(program)
+            ahead = self.ahead.pop(key, None)
+            program = ahead.result() if ahead is not None else self._lower(args)
+            if self.on_compile is not None: self.on_compile(program)    # on the caller's thread, before it runs
             self.programs[key] = program
         return self.programs[key]
 
+    def _lower(self, args, mesh=None):
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            try: return self.jitted.lower(*args).compile()
+            except Exception as e:
+                if self.on_error is not None: self.on_error(e)
+                raise
+
     def __call__(self, *args): return self.compile(*args)(*args)
+
+# %% ../nbs/08_train.ipynb
+_COMPILER = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="compile")   # XLA compiles without the GIL
+
+def compile_ahead(compiler: StepCompiler, *args, mesh=None) -> None:
+    "Start compiling `compiler`'s program for `args` (arrays or `jax.ShapeDtypeStruct`s) on a thread, traced under `mesh`, while the caller goes on (loads data, compiles another program); the first call with that signature waits for it."
+    key = compiler._signature(args)
+    if key not in compiler.programs and key not in compiler.ahead:
+        compiler.ahead[key] = _COMPILER.submit(compiler._lower, args, mesh)
 
 # %% ../nbs/08_train.ipynb
 class Trainer:
@@ -231,10 +250,13 @@ class Trainer:
             if not self.cfg.check_memory: return
             with self.clock("memory_check"): line = check_memory(label, program, self.memory_knobs)
             if jax.process_index() == 0 and getattr(self, "progress", True): print(f"memory: {line}", file=sys.stderr)
-        return StepCompiler(jitted, on_compile=check)
+        def refused(e):                       # a TPU's compile raises RESOURCE_EXHAUSTED: the same shortfall, one line
+            if out_of_memory(e): raise compile_shortfall(label, e, self.memory_knobs) from None
+        return StepCompiler(jitted, on_compile=check, on_error=refused)
 
     def run_step(self, name: str, *args):
-        "Call the step `self.<name>`; with `remat_policy=auto`, move to the next remat policy while it cannot fit."
+        "Call the step `self.<name>`; with `remat_policy=auto`, start where the estimate says it fits (`_start_remat`) and move to the next remat policy while it cannot fit."
+        if not getattr(self, "_remat_started", False): _start_remat(self)
         while True:
             try: return getattr(self, name)(*args)
             except MemoryShortfall as e:
@@ -242,13 +264,38 @@ class Trainer:
                 if self.cfg.remat_policy != "auto" or now == policies[-1]: raise
                 nxt = policies[policies.index(now) + 1]
                 if jax.process_index() == 0: print(f"memory: remat {now!r} does not fit ({e}); trying {nxt!r}", file=sys.stderr)
-                model = set_model_options(nnx.merge(self.graphdef, self.params, self.rest), remat=nxt)
-                self.graphdef, self.model_cfg = nnx.graphdef(model), model.cfg
-                self.build_steps()
+                _set_remat(self, nxt)
 
     def fit(self, *, progress: bool = True) -> dict:
         "Run (or resume) `cfg.steps` steps; returns the last logged metrics and the final evaluation."
         with RunLock(run_dir(self.cfg), enabled=jax.process_index() == 0): return _fit(self, progress)
+
+# %% ../nbs/08_train.ipynb
+def _set_remat(tr: Trainer, policy: str) -> None:
+    "Rebuild `tr`'s model and steps with remat `policy` (nothing has run yet: the inputs are untouched)."
+    model = set_model_options(nnx.merge(tr.graphdef, tr.params, tr.rest), remat=policy)
+    tr.graphdef, tr.model_cfg = nnx.graphdef(model), model.cfg
+    tr.build_steps()
+
+def _step_tokens(cfg: TrainConfig) -> int:
+    "Tokens of one micro-batch of the training step, over all devices: a sequence is `max_target_length` tokens, or a prompt and its completion."
+    seq = getattr(cfg, "max_target_length", None) or getattr(cfg, "max_prompt_length", 0) + getattr(cfg, "max_completion_length", 0)
+    return cfg.global_batch_size // max(cfg.gradient_accumulation_steps, 1) * seq
+
+def _start_remat(tr: Trainer) -> None:
+    "With `remat_policy=auto`, before the first compile: start at the least-recompute policy whose estimated activations fit (`remat_to_start`, chapter `07e_memory`), so that a policy that clearly cannot fit is never compiled."
+    tr._remat_started = True
+    if tr.cfg.remat_policy != "auto": return
+    n = tr.mesh.devices.size
+    grads = sum(x.nbytes for x in jax.tree.leaves(tr.params)) // n
+    pick, line = remat_to_start(tr.model_cfg, _step_tokens(tr.cfg) // n, grads, device_memory()[0])
+    if jax.process_index() == 0 and getattr(tr, "progress", True): print(f"memory: {line}", file=sys.stderr)
+    if pick != tr.model_cfg.remat: _set_remat(tr, pick)
+
+def compile_step_ahead(tr: Trainer, name: str, *args) -> None:
+    "Start compiling the step `tr.<name>` (a `StepCompiler`) for `args` on a thread (`compile_ahead`), at the remat policy `auto` starts at: chosen here, before the first compile."
+    if not getattr(tr, "_remat_started", False): _start_remat(tr)
+    compile_ahead(getattr(tr, name), *args, mesh=tr.mesh)
 
 # %% ../nbs/08_train.ipynb
 def _resume(tr: Trainer, ckpts: RunCheckpoints) -> None:

@@ -13,7 +13,7 @@ from flax import nnx
 from .checkpoint import hf_param_map, param_to_hf, save_hf
 from .lora import merged_weight, save_merged_hf
 from .model import ModelConfig
-from .sampling import Rollout, completion_logps, left_pad
+from .sampling import Rollout, completion_logps, left_pad, warn_truncated_prompts
 
 # %% auto 0
 __all__ = ['sampling_kwargs', 'prompt_seed', 'engine_logps_match', 'pack_completions', 'to_torch', 'hf_weights',
@@ -143,8 +143,7 @@ class VLLMRollout:
         kw = sampling_kwargs(max_completion_length=max_completion_length, num_generations=num_generations,
                              temperature=temperature, top_k=top_k, top_p=top_p, eos_ids=eos_ids)
         ids, mask, n_trunc = left_pad(prompt_ids, max_prompt_length, pad_id, min_bucket)
-        if n_trunc: warnings.warn(f"{n_trunc} of {len(ids)} prompts are longer than max_prompt_length={max_prompt_length} "
-                                  "and were truncated from the left")
+        warn_truncated_prompts(n_trunc, len(ids), max_prompt_length)
         prompts = self._prompts(prompt_ids, max_prompt_length, max_completion_length)
         params = [SamplingParams(**(kw | dict(seed=prompt_seed(seed, i)))) for i in range(len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)

@@ -89,3 +89,76 @@ def test_rl_logps_doubling_the_completion_at_most_doubles_the_temporaries(small)
     against it: the cached attention and the chunked log-probs) grows linearly too: completion 512 -> 1024."""
     temps = {t: rl_logps_grad_temp_bytes(small, 4, 128, t, 4) for t in (512, 1024)}
     assert temps[1024] <= 2.2 * temps[512], temps
+
+
+# --- remat_policy=auto on a device whose compile refuses (a TPU raises RESOURCE_EXHAUSTED from `.compile()`) ---
+
+TPU_SAYS = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm.\n"
+            "HLO temporaries (16.74G) exceeds available HBM (15.75G)\n\nProgram hbm requirement 16.74G")
+
+
+def _sft_refusing(tmp_path, monkeypatch, refuse, *extra):
+    """An SFT trainer (tiny model, 2 steps) whose step compiles raise the TPU's RESOURCE_EXHAUSTED, as jaxlib's error
+    type does, while its remat policy is in `refuse`; returns the trainer and the policies each compile was tried at."""
+    from maxpost.config import load_config
+    from maxpost.commands import start_trainer
+    from maxpost.sft import SFTTrainer
+    cfg = load_config("sft", [f"base_output_directory={tmp_path}", "run_name=r", "model_name=tiny", "steps=2",
+                              "train_split=train[:64]", "eval_split=test[:8]", "global_batch_size=8",
+                              "max_target_length=96", "eval_batches=1", *extra])
+    import maxpost.train as train_mod
+    tried, real, now = [], jax.stages.Lowered.compile, {"remat": "none"}     # the policy the model is built with
+    def set_options(model, **kw):                                            # each policy `auto` moves the model to
+        now["remat"] = kw.get("remat", now["remat"])
+        return set_model(model, **kw)
+    set_model = train_mod.set_model_options
+    monkeypatch.setattr(train_mod, "set_model_options", set_options)
+    def compile(self, *a, **k):          # the training step's compiles (ahead, on a thread, or at the first step)
+        if getattr(self._lowering, "_name", "") == "jit(step)":
+            tried.append(now["remat"])
+            if now["remat"] in refuse: raise jax.errors.JaxRuntimeError(TPU_SAYS)
+        return real(self, *a, **k)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile)
+    return start_trainer(SFTTrainer, cfg), tried
+
+
+def test_auto_moves_past_a_compile_that_raises_resource_exhausted(tmp_path, monkeypatch, capsys):
+    """issue 47 item 4: on the TPU `auto` died in XLA's compile at `none`; the error now counts as "does not fit",
+    and the run trains at `full`."""
+    monkeypatch.setenv("MAXPOST_DEVICE_MEMORY", str(64 << 30))      # the estimate starts at `none`
+    tr, tried = _sft_refusing(tmp_path, monkeypatch, ("none", "minimal"))
+    out = tr.fit(progress=True)
+    assert out["step"] == 2 and tr.model_cfg.remat == "full", (out, tr.model_cfg.remat)
+    assert tried[:3] == ["none", "minimal", "full"], tried
+    err = capsys.readouterr().err
+    assert "remat 'none' does not fit" in err and "trying 'full'" in err, err[-2000:]
+
+
+def test_auto_with_every_compile_refused_is_one_line(tmp_path, monkeypatch):
+    """When no policy compiles: the `MemoryShortfall` (a ConfigError, exit 2 from the CLI) in one line with XLA's
+    numbers and the knobs, not a traceback from jaxlib."""
+    from maxpost.memory import MemoryShortfall
+    from maxpost.config import ConfigError
+    monkeypatch.setenv("MAXPOST_DEVICE_MEMORY", str(64 << 30))
+    tr, tried = _sft_refusing(tmp_path, monkeypatch, REMAT_POLICIES)
+    with pytest.raises(MemoryShortfall) as e:
+        tr.fit(progress=False)
+    msg = str(e.value)
+    assert isinstance(e.value, ConfigError) and "\n" not in msg, msg
+    assert "16.74G" in msg and "15.75G" in msg and "gradient_accumulation_steps" in msg, msg
+    assert tried == list(REMAT_POLICIES), tried
+
+
+def test_auto_does_not_compile_a_policy_estimated_not_to_fit(tmp_path, monkeypatch, capsys):
+    """The activation estimate (`remat_to_start`) skips what clearly cannot fit: with room for `full`'s estimate but
+    not `minimal`'s, the first step program compiled is `full`'s."""
+    from maxpost.memory import activation_bytes
+    cfg = get_model_config("tiny")
+    n = jax.device_count()                                           # the batch is split over the devices
+    est = {p: activation_bytes(cfg, 8 * 96 // n, p) for p in REMAT_POLICIES}
+    grads = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))), nnx.Param))) // n
+    monkeypatch.setenv("MAXPOST_DEVICE_MEMORY", str((est["full"] + est["minimal"]) // 2 + grads))
+    tr, tried = _sft_refusing(tmp_path, monkeypatch, (), "check_memory=false")
+    assert tr.fit(progress=True)["step"] == 2
+    assert tried and tried[0] == "full" and "minimal" not in tried and "none" not in tried, tried
+    assert "remat_policy=auto starts at 'full'" in capsys.readouterr().err

@@ -300,3 +300,19 @@ def test_the_run_saves_with_the_limit_of_its_own_state(tmp_path, monkeypatch):
     like = nnx.state(create_model(get_model_config("tiny")), nnx.Param)
     expected = save_limit_gb(like, make_optimizer(cfg).init(like))
     assert (run_dir(cfg) / "checkpoints", expected) in built
+
+
+def test_the_step_is_compiled_ahead_while_the_data_loads_and_only_once(tmp_path):
+    """issue 47 item 3: the SFT step starts compiling on a thread before the data is prepared (the program the first
+    step waits for, not a second compile); timing.json names it, with the eval step compiled after the first step."""
+    from maxpost.commands import start_trainer
+    from maxpost.sft import SFTTrainer
+    cfg = load_config("sft", [f"base_output_directory={tmp_path}", "run_name=ahead", "steps=2", "compilation_cache_dir=", *SMALL])
+    tr = start_trainer(SFTTrainer, cfg)
+    assert len(tr.step_fn.ahead) == 1 and not tr.step_fn.programs      # started in the constructor
+    tr.fit(progress=False)
+    assert len(tr.step_fn.programs) == 1 and not tr.step_fn.ahead       # the first step used it: one program
+    t = json.loads((run_dir(cfg) / "timing.json").read_text())
+    steps = {k: v for k, v in t["programs"].items() if "step" in k and "eval" not in k}
+    assert sum(v["count"] for v in steps.values()) == 1, t["programs"]
+    assert any("eval" in k for k in t["later_programs"]), t["later_programs"]
