@@ -19,9 +19,10 @@ from .tasks import embedded_split, check_held_out
 from .policy import Setup
 from .timing import flops_per_token
 from .train import Trainer, Prefetcher
-from .commands import command_config, print_summary, start_trainer
+from .commands import start_trainer, train_command
 from .step import make_update_step, split_micro_batches
-from .evaluate import eval_config_for, load_eval_examples, run_evaluation
+from .evaluate import eval_config_for, load_eval_examples
+from .eval_command import run_evaluation
 
 # %% auto 0
 __all__ = ['KIND', 'SFTConfig', 'make_sft_step', 'make_eval_step', 'sft_data', 'evaluate_loss', 'SFTTrainer', 'train_sft',
@@ -170,16 +171,17 @@ def held_out_after_sft(cfg: SFTConfig) -> dict | None:
     return run_evaluation(ecfg)
 
 # %% ../nbs/14c_sft.ipynb
+def _held_out_report(trainer: SFTTrainer, out: dict) -> list[str]:
+    "After the run: greedy pass@1 on held-out problems (`held_out_after_sft`), added to `out`, and its line."
+    res = None if out.get("already_finished") else held_out_after_sft(trainer.cfg)   # a finished run was checked when it finished
+    if not res: return []
+    out |= {"held_out_pass@1": res["pass@1"], "held_out_format_rate": res["format_rate"]}
+    return [f"held-out ({res['num_prompts']} problems) after SFT: pass@1 {100 * res['pass@1']:.1f} %, "
+            f"format rate {100 * res['format_rate']:.1f} %"]
+
 def main(argv=None) -> int:
     "`maxpost sft [base.yml] key=value ...`: train, then greedy pass@1 on held-out problems (`held_out_after_sft`), then the summary."
-    cfg = command_config("sft", argv)
-    out = start_trainer(SFTTrainer, cfg, announce=True).fit()
-    res = None if out.get("already_finished") else held_out_after_sft(cfg)   # a finished run was checked when it finished
-    if res: out |= {"held_out_pass@1": res["pass@1"], "held_out_format_rate": res["format_rate"]}
-    print_summary(out, cfg)
-    if res: print(f"held-out ({res['num_prompts']} problems) after SFT: pass@1 {100 * res['pass@1']:.1f} %, "
-                  f"format rate {100 * res['format_rate']:.1f} %")
-    return 0
+    return train_command("sft", argv, report=_held_out_report)
 
 # %% ../nbs/14c_sft.ipynb
 KIND = register_kind("sft", SFTConfig, main, "supervised fine-tuning (base: configs/sft.yml; default: the embedded task)",

@@ -173,7 +173,7 @@ def test_a_run_logs_plain_lines_to_a_file_and_leaves_no_lock(tmp_path):
     rec = json.loads((tmp_path / "eval-plain" / "eval.json").read_text())
     assert Path(rec["load_parameters_path"]) == tmp_path / "plain" and rec["step"] == 4 and rec["metrics"]["num_prompts"] == 8
     m = rec["metrics"]
-    assert r.stdout.splitlines()[-1] == (f"held-out (8 problems) after SFT: pass@1 {100 * m['pass@1']:.1f} %, "
+    assert r.stdout.splitlines()[-2] == (f"held-out (8 problems) after SFT: pass@1 {100 * m['pass@1']:.1f} %, "
                                          f"format rate {100 * m['format_rate']:.1f} %"), r.stdout[-1000:]
     e = cli("eval", f"base_output_directory={tmp_path}", "run_name=by-step", f"tokenizer_path={tok}",
             f"load_parameters_path={tmp_path / 'plain' / 'checkpoints' / '4'}", f"dataset_name={data}",

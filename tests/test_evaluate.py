@@ -325,7 +325,7 @@ def test_cli_eval_on_a_short_sft_run(tmp_path):
 
 def test_eval_writes_into_its_own_directory_never_a_training_run(tmp_path):
     """issue 21, item 14: `maxpost eval` as README shows it (no run_name) must not write into the RL run's directory."""
-    from maxpost.evaluate import eval_dir
+    from maxpost.eval_command import eval_dir
     base = [f"base_output_directory={tmp_path}", f"load_parameters_path={tmp_path / 'embedded-sft'}"]
     assert eval_dir(load_config("eval", base)) == tmp_path / "eval-embedded-sft"
     assert eval_dir(load_config("eval", [*base[:1], f"load_parameters_path={tmp_path}/r/checkpoints/30"])) == tmp_path / "eval-r@30"
