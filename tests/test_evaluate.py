@@ -11,7 +11,8 @@ from maxpost.config import load_config, ConfigError
 from maxpost.data import encode_chat
 from maxpost.prompts import PROMPT_TEMPLATES, render_prompt, prompt_token_ids, stop_token_ids
 from maxpost.evaluate import (load_eval_examples,
-                              pass_at_k, majority_vote, score_samples, evaluate, format_table, main)
+                              pass_at_k, majority_vote, score_samples, evaluate, format_table)
+from maxpost.eval_command import main
 from maxpost.rewards import gsm8k_gold, correctness_reward, format_reward
 
 ROOT = Path(__file__).resolve().parent.parent
