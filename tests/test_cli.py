@@ -204,6 +204,21 @@ def test_sft_on_chat_data_says_why_there_is_no_pass_at_1(tmp_path):
     assert "held_out_pass@1" not in r.stdout and not (tmp_path / "eval-chat").exists()
 
 
+def test_every_training_kind_is_one_shape_registered_where_it_lives():
+    "Issue #48: each kind registers in the module of its config (rl in maxpost.rl, not the async chapter), every training kind's `main` is `train_command`, and `maxpost rl max_staleness=K` runs the asynchronous trainer."
+    from maxpost.cli import KIND_MODULES, load_kinds
+    from maxpost.rl import RLConfig, RLTrainer
+    from maxpost.async_rl import AsyncRLTrainer
+    kinds = load_kinds()
+    for name, k in kinds.items():
+        assert k.main.__module__ == KIND_MODULES[name][0], name
+        if k.trainer is not None:   # eval trains nothing: its config is the evaluation library's (14_evaluate)
+            assert k.config.__module__ == k.trainer.__module__ == k.main.__module__, name
+            assert "train_command" in k.main.__code__.co_names, name
+    cfg = lambda k: load_config("rl", ["base_output_directory=/x", f"max_staleness={k}"])
+    assert (kinds["rl"].trainer_for(cfg(0)), kinds["rl"].trainer_for(cfg(2))) == (RLTrainer, AsyncRLTrainer)
+
+
 def test_config_shows_the_values_an_rl_run_uses():
     "issue 31, item 9: epsilons and loss_agg_mode resolved from loss_algo, in `maxpost config` and so in config.yml."
     from maxpost.rl import loss_options
