@@ -15,7 +15,7 @@ from . import sharding
 from .model import LOGITS_CHUNK_SIZE
 from .data import DATA_FORMATS, TRAIN_ON, make_sft_iterator, check_examples
 from .sft_loss import model_sft_loss, target_weights, summarize_metrics
-from .tasks import embedded_split, check_held_out
+from .tasks import TASK_VARIANTS, embedded_split, check_held_out
 from .policy import Setup
 from .timing import flops_per_token
 from .train import Trainer, Prefetcher
@@ -162,7 +162,7 @@ def held_out_after_sft(cfg: SFTConfig) -> dict | None:
     "Greedy pass@1 and format rate of an SFT run's final policy on its first `eval_num_prompts` held-out problems, by `maxpost eval`'s code and defaults (the record lands in `eval-<run_name>` beside the run); None, with the reason on stderr, when `eval_num_prompts` is 0 or the held-out rows have no question and answer."
     if not cfg.eval_num_prompts: return None
     ecfg = eval_config_for(cfg, load_parameters_path=str(run_dir(cfg)), model_overrides={},
-                          environment="calculator" if cfg.embedded_task == "calculator" and not cfg.dataset_name else "",
+                          environment="" if cfg.dataset_name else TASK_VARIANTS[cfg.embedded_task].environment,
                           eval_num_prompts=cfg.eval_num_prompts, eval_k=0)
     try: load_eval_examples(ecfg)
     except ConfigError as e:
