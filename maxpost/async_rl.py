@@ -11,15 +11,14 @@ from typing import Any, Callable
 import jax, jax.numpy as jnp
 from flax import nnx
 
-from .config import ConfigError, register_kind, run_dir
+from .config import ConfigError
 from . import sharding
 from .policy import Setup
-from .commands import start_trainer, train_command
-from .evaluate import held_out_table
+from .commands import start_trainer
 from .rl import RLConfig, RLTrainer, SamplerEngine
 
 # %% auto 0
-__all__ = ['KIND', 'RolloutProducer', 'split_devices', 'AsyncRLTrainer', 'train_async_rl', 'main']
+__all__ = ['RolloutProducer', 'split_devices', 'AsyncRLTrainer', 'train_async_rl']
 
 # %% ../nbs/15c_async.ipynb
 class RolloutProducer:
@@ -89,6 +88,9 @@ class AsyncRLTrainer(RLTrainer):
     asynchronous = True
 
     @classmethod
+    def runs(cls, cfg: RLConfig) -> bool: return cfg.max_staleness > 0   # the kind `rl` chooses this trainer then (Kind.trainer_for)
+
+    @classmethod
     def setup_options(cls, cfg: RLConfig) -> dict:
         return dict(devices=split_devices(cfg)[0])   # the trainer's mesh leaves out the rollouts' devices
 
@@ -146,10 +148,3 @@ class AsyncRLTrainer(RLTrainer):
 def train_async_rl(cfg: RLConfig, *, progress: bool = True, reward_fns=None) -> dict:
     "Run (or resume) RL as configured, rollouts overlapped with updates when `max_staleness` > 0; returns the final metrics."
     return start_trainer(AsyncRLTrainer, cfg, reward_fns=reward_fns).fit(progress=progress)
-
-def main(argv=None) -> int:
-    "`maxpost rl [base.yml] key=value ...`: the run, then its held-out table from the first evaluation to the last."
-    return train_command("rl", argv, report=lambda cfg, out: [held_out_table(run_dir(cfg))])
-
-KIND = register_kind("rl", RLConfig, main, "GRPO / GSPO from an SFT or Hugging Face checkpoint (base: configs/rl.yml)",
-                     trainer=AsyncRLTrainer)

@@ -9,14 +9,32 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from . import config as _config
-from .config import ConfigError, KINDS, describe_keys, kind_modules, load_config, load_kinds, split_base, to_yaml
+from .config import ConfigError, KINDS, describe_keys, load_config, split_base, to_yaml
 from .rundir import RunLocked
 from .checkpoint import CheckpointError
 from .train import RunStopped
 from .convert import convert_main
 
 # %% auto 0
-__all__ = ['EXIT_CODES', 'commands', 'bare_values', 'command_help', 'show_config', 'exit_code', 'quiet_libraries', 'main']
+__all__ = ['KIND_MODULES', 'ENTRY_POINT_GROUP', 'EXIT_CODES', 'kind_entry_points', 'load_kinds', 'commands', 'bare_values',
+           'command_help', 'show_config', 'exit_code', 'quiet_libraries', 'main']
+
+# %% ../nbs/17_cli.ipynb
+KIND_MODULES = {"sft": ("maxpost.sft",), "eval": ("maxpost.eval_command",), "rl": ("maxpost.rl", "maxpost.async_rl"),
+                "dpo": ("maxpost.dpo",), "distill": ("maxpost.distill",), "reward": ("maxpost.reward",)}   # kind -> its module(s), in book order
+ENTRY_POINT_GROUP = "maxpost.kinds"   # another package's kinds: entry points naming the module that registers one
+
+def kind_entry_points() -> list:
+    "The entry points of the group `maxpost.kinds` that the installed packages declare."
+    from importlib.metadata import entry_points
+    return list(entry_points(group=ENTRY_POINT_GROUP))
+
+def load_kinds(entry_points: Optional[Sequence] = None) -> dict:
+    "Import the module of every kind (each registers itself in `KINDS`): maxpost's from `KIND_MODULES`, another package's from its `entry_points` (default: `kind_entry_points()`); return `KINDS`."
+    for modules in KIND_MODULES.values():
+        for m in modules: importlib.import_module(m)
+    for ep in kind_entry_points() if entry_points is None else entry_points: ep.load()
+    return KINDS
 
 # %% ../nbs/17_cli.ipynb
 def commands() -> dict:

@@ -78,10 +78,13 @@ def print_summary(out: dict, cfg: RunConfig, *lines: str | None) -> None:
     size = f" (its newest checkpoint: {describe_size(checkpoint_size(d))} on disk)" if (d / "checkpoints").is_dir() else ""
     print(f"run directory: {d}{size}")
 
-def train_command(kind, argv=None, *, report=None) -> int:
-    "`maxpost <kind> [base.yml] key=value ...` for a training kind: its config, its trainer's `fit`, the summary with the lines `report(cfg, out)` returns; exit code 0."
+def train_command(kind, argv=None, *, report=None, subcommands=None) -> int:
+    "`maxpost <kind> [base.yml] key=value ...`, every kind's `main`: its config, the trainer that runs it (`Kind.trainer_for`), its `fit`, the summary with the lines `report(trainer, out)` returns (it may add to `out`); exit code 0. `subcommands`: `{word: main(argv)}` for `maxpost <kind> <word> ...`."
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if subcommands and argv[:1] and argv[0] in subcommands: return subcommands[argv[0]](argv[1:])
     kind = kind_of(kind)
     cfg = command_config(kind, argv)
-    out = start_trainer(kind.trainer, cfg, announce=True).fit()
-    print_summary(out, cfg, *(report(cfg, out) if report is not None else ()))
+    trainer = start_trainer(kind.trainer_for(cfg), cfg, announce=True)
+    out = trainer.fit()
+    print_summary(out, cfg, *(report(trainer, out) if report is not None else ()))
     return 0

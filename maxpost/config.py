@@ -17,11 +17,10 @@ import yaml
 # %% auto 0
 __all__ = ['DTYPES', 'DTYPE_CHOICES', 'ATTENTION_IMPLEMENTATIONS', 'REMAT_POLICIES', 'REMAT_CHOICES', 'LR_SCHEDULES', 'KINDS',
            'LORA_TARGETS', 'ALL_LINEAR', 'CONFIG_DIR', 'key', 'resumable_keys', 'platform', 'resolve_dtype',
-           'RunConfig', 'QAConfig', 'GenerationConfig', 'TrainConfig', 'Kind', 'register_kind', 'kind_modules',
-           'load_kinds', 'kind_of', 'choices', 'close_names', 'value_problems', 'check_run_name',
-           'parse_target_modules', 'target_modules_problem', 'ConfigError', 'validate', 'derived_defaults',
-           'default_base', 'parse_overrides', 'load_config', 'run_dir', 'to_yaml', 'describe_keys', 'effective_config',
-           'split_base', 'eval_source']
+           'RunConfig', 'QAConfig', 'GenerationConfig', 'TrainConfig', 'Kind', 'register_kind', 'kind_of', 'choices',
+           'close_names', 'value_problems', 'check_run_name', 'parse_target_modules', 'target_modules_problem',
+           'ConfigError', 'validate', 'derived_defaults', 'default_base', 'parse_overrides', 'load_config', 'run_dir',
+           'to_yaml', 'describe_keys', 'effective_config', 'split_base', 'eval_source']
 
 # %% ../nbs/00_config.ipynb
 DTYPES = ("float32", "bfloat16")
@@ -237,6 +236,13 @@ class Kind:
     help: str
     trainer: Optional[type] = None
 
+    def trainer_for(self, cfg) -> Optional[type]:
+        "The trainer that runs `cfg`: the kind's `trainer`, or the subclass of it (from a chapter imported) whose classmethod `runs(cfg)` says it runs `cfg`, as RL's asynchronous trainer does when `max_staleness > 0`."
+        t = self.trainer
+        while t is not None and (sub := next((s for s in t.__subclasses__() if "runs" in vars(s) and s.runs(cfg)), None)):
+            t = sub
+        return t
+
     @property
     def base(self) -> Optional[Path]:
         "Its YAML base `configs/{name}.yml`, if the checkout has one."
@@ -249,23 +255,12 @@ def register_kind(name: str, config: type, main: Callable[..., int], help: str, 
     KINDS[name] = k = Kind(name, config, main, help, trainer)
     return k
 
-def kind_modules(package: Optional[Path] = None) -> list[str]:
-    "The modules of the package that declare a kind: a line that starts `KIND = register_kind(`. Read, not imported, so a new kind is one module and nothing here names it."
-    package = package or Path(importlib.util.find_spec("maxpost").submodule_search_locations[0])
-    return sorted(f.stem for f in package.glob("*.py") if re.search(r"^KIND = register_kind\(", f.read_text(), re.M))
-
-def load_kinds() -> dict:
-    "Import every kind module once (each registers itself in `KINDS`) and return `KINDS`."
-    for m in kind_modules(): importlib.import_module(f"maxpost.{m}")
-    return KINDS
-
 def kind_of(kind: str | Kind) -> Kind:
-    "The registered `Kind` of that name (a `Kind` is returned as it is); a name not registered yet has its module imported first."
+    "The registered `Kind` of that name (a `Kind` is returned as it is)."
     if isinstance(kind, Kind): return kind
-    if kind not in KINDS: load_kinds()
     if kind not in KINDS:
-        raise KeyError(f"no kind {kind!r} (kinds: {', '.join(sorted(KINDS))}); a kind is a module of maxpost with a "
-                       "line `KIND = register_kind(...)`")
+        raise KeyError(f"no kind {kind!r} (kinds registered: {', '.join(sorted(KINDS)) or 'none'}); import the module "
+                       "that registers it first (`load_kinds()` of the command line, chapter 17_cli, imports them all)")
     return KINDS[kind]
 
 # %% ../nbs/00_config.ipynb

@@ -26,7 +26,7 @@ from .tasks import check_held_out, embedded_split
 from .policy import Setup, setup_run
 from .timing import flops_per_token
 from .train import Trainer
-from .commands import command_config, print_summary, start_trainer
+from .commands import command_config, start_trainer, train_command
 from .step import make_update_step
 
 def _patch(f):
@@ -422,20 +422,20 @@ def train_distill(cfg: DistillConfig, *, progress: bool = True) -> dict:
     "Run (or resume) distillation as configured; returns the final metrics."
     return start_trainer(DistillTrainer, cfg, progress=progress).fit(progress=progress)
 
+def _write_topk_command(argv) -> int:
+    "`maxpost distill write-topk [base.yml] key=value ...`: the teacher's top-k file for mode=offline."
+    cfg = command_config("distill", argv)
+    print(f"wrote the teacher's top-{cfg.offline_k} log-probs to {write_teacher_topk(cfg, announce=True)}")
+    return 0
+
+def _report(trainer: DistillTrainer, out: dict) -> list:
+    "The held-out table, the teacher's pass@1 beside it."
+    t = trainer.teacher_result or {}
+    return [held_out_table(run_dir(trainer.cfg)), f"teacher: pass@1 {100 * t['teacher_pass@1']:.1f} %" if "teacher_pass@1" in t else None]
+
 def main(argv=None) -> int:
     "`maxpost distill [base.yml] key=value ...`: the run, then the held-out table (the teacher's pass@1 beside it); `maxpost distill write-topk ...` writes the teacher's top-k file for mode=offline."
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["write-topk"]:
-        cfg = command_config("distill", argv[1:])
-        print(f"wrote the teacher's top-{cfg.offline_k} log-probs to {write_teacher_topk(cfg, announce=True)}")
-        return 0
-    cfg = command_config("distill", argv)
-    tr = start_trainer(DistillTrainer, cfg, announce=True)
-    out = tr.fit()
-    t = tr.teacher_result or {}
-    print_summary(out, cfg, held_out_table(run_dir(cfg)),
-                  f"teacher: pass@1 {100 * t['teacher_pass@1']:.1f} %" if "teacher_pass@1" in t else None)
-    return 0
+    return train_command("distill", argv, report=_report, subcommands={"write-topk": _write_topk_command})
 
 KIND = register_kind("distill", DistillConfig, main, "distill a teacher checkpoint into the policy: on-policy, GKD, "
                      "supervised or offline (base: configs/distill.yml; default: embedded-grpo into embedded-sft)",

@@ -421,7 +421,7 @@ def train_dpo(cfg: DPOConfig, *, progress: bool = True) -> dict:
 
 def main(argv=None) -> int:
     "`maxpost dpo [base.yml] key=value ...`: the run, then its held-out table from the first evaluation to the last."
-    return train_command("dpo", argv, report=lambda cfg, out: [held_out_table(run_dir(cfg))])
+    return train_command("dpo", argv, report=lambda trainer, out: [held_out_table(run_dir(trainer.cfg))])
 
 KIND = register_kind("dpo", DPOConfig, main, "DPO / IPO / hinge / ORPO / SimPO from preference pairs (base: configs/dpo.yml)",
                      trainer=DPOTrainer)

@@ -14,7 +14,7 @@ import numpy as np
 from . import tasks
 from .config import ConfigError, key
 from .prompts import stop_token_ids
-from .rewards import _START_S, _NotIsolated, _Worker, _describe
+from .workers import NotIsolated, Worker, describe, serve
 
 _log = logging.getLogger(__name__)
 
@@ -132,33 +132,21 @@ def _run_tool(tools: dict, name, args, kwargs, max_chars: int, catch=BaseExcepti
     "(ok, text): the tool's output, or why there is none."
     if name not in tools: return False, f"unknown tool {name!r}; the tools are {', '.join(tools)}"
     try: out = tools[name](*args, **kwargs)
-    except catch as e: return False, f"tool {name!r} raised {_describe(e)}"
+    except catch as e: return False, f"tool {name!r} raised {describe(e)}"
     if not isinstance(out, str): return False, f"tool {name!r} returned a {type(out).__name__}, not a string"
     if len(out) > max_chars: return False, f"tool {name!r} returned {len(out):,} characters, more than the limit of {max_chars:,}"
     return True, str(out)
 
+def _answer_call(tools: dict, name, args_kwargs, max_chars: int):
+    yield ("done", *_run_tool(tools, name, *args_kwargs, max_chars))
+
 def _serve_tools(fd: int) -> None:
-    "A tool worker process: load the tools, then run calls until the trainer closes the connection (as `rewards._serve`)."
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    conn, parent = Connection(fd), os.getppid()
-    def orphaned():
-        while os.getppid() == parent: time.sleep(1.0)
-        os._exit(0)
-    threading.Thread(target=orphaned, daemon=True).start()
-    try:
-        path, payload = conn.recv()
-        sys.path[:] = path
-        try: tools = pickle.loads(payload)
-        except BaseException as e: conn.send(("load_error", f"the worker cannot load the tools ({_describe(e)})")); return
-        conn.send(("ready",))
-        while True:
-            name, (args, kwargs), max_chars = conn.recv()
-            conn.send(("done", *_run_tool(tools, name, args, kwargs, max_chars)))
-    except (EOFError, OSError): return
+    "A tool worker process (chapter `12f_workers`'s `serve`): load the tools, then run calls until the trainer closes the connection."
+    serve(fd, _answer_call, "the tools")
 
 # %% ../nbs/13b_environments.ipynb
-class _ToolWorker(_Worker):
-    "A `Toolbox`'s tools in a Python process of their own: chapter 13's reward worker running `_serve_tools`."
+class _ToolWorker(Worker):
+    "A `Toolbox`'s tools in a Python process of their own: chapter `12f_workers`'s worker running `_serve_tools`."
     serve = "from maxpost.environments import _serve_tools; _serve_tools({fd})"
 
 TOOL_ISOLATION = ("process", "inline")
@@ -177,7 +165,7 @@ class Toolbox:
         self.timeout_s, self.max_output_chars, self.worker = timeout_s, int(max_output_chars), None
         if isolation == "process":
             try: self.worker = _ToolWorker(self.tools)
-            except _NotIsolated as e: _log.warning("the tools run in the trainer's process, without a timeout: %s", e)
+            except NotIsolated as e: _log.warning("the tools run in the trainer's process, without a timeout: %s", e)
             else: weakref.finalize(self, self.worker.stop)
 
 # %% ../nbs/13b_environments.ipynb
@@ -187,7 +175,7 @@ def _toolbox_call(self: Toolbox, call: ToolCall) -> tuple[bool, str]:
     if self.worker is None:
         return _run_tool(self.tools, call.name, call.args, call.kwargs, self.max_output_chars, catch=Exception)
     try: self.worker.send(None, call.name, (call.args, call.kwargs), self.max_output_chars)
-    except _NotIsolated as e: return False, f"tool {call.name!r} could not run: {e}"
+    except NotIsolated as e: return False, f"tool {call.name!r} could not run: {e}"
     msg = self.worker.next(self.timeout_s)
     if msg is None:
         self.worker.abandon()
@@ -339,7 +327,7 @@ def _open(e: _Episode, example: dict, tokenizer, max_prompt_length: int, pad_id:
         e.prompt = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         if not e.prompt: raise ValueError("the first prompt has no tokens")
     except Exception as ex:
-        e.prompt = [pad_id]; e.fail(f"reset failed: {_describe(ex)}"); return 0
+        e.prompt = [pad_id]; e.fail(f"reset failed: {describe(ex)}"); return 0
     cut = len(e.prompt) > max_prompt_length
     e.prompt = e.prompt[-max_prompt_length:]
     return int(cut)
@@ -361,7 +349,7 @@ def _advance(e: _Episode, turn: int, ids, logps, tokenizer, eos: set, max_episod
         if done: e.done = True; return
         if last: e.done = e.truncated = True; return              # max_turns played: no turn to answer
         more = continuation_ids(tokenizer, messages, tokenizer.decode([ids[-1]]), template_kw)
-    except Exception as ex: e.fail(f"step failed: {_describe(ex)}"); return
+    except Exception as ex: e.fail(f"step failed: {describe(ex)}"); return
     if len(e.ids) + len(more) >= max_episode_tokens: e.done = e.truncated = True; return   # no room left to answer
     e.ids += more; e.mask += [0] * len(more); e.logps += [0.0] * len(more); e.turn_ids += [-1] * len(more)
     e.messages += messages
@@ -450,7 +438,7 @@ def environment_factory(name: str) -> Callable[[], Environment]:
                           "module:factory (a function of yours that returns a new environment per call)")
     try: factory = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
-        raise ConfigError(f"environment={name!r} cannot be loaded ({_describe(e)}); is {module} importable from here "
+        raise ConfigError(f"environment={name!r} cannot be loaded ({describe(e)}); is {module} importable from here "
                           "(PYTHONPATH) and does it define {attr}?") from None
     if not callable(factory): raise ConfigError(f"environment={name!r} is a {type(factory).__name__}, not a factory to call")
     return factory
@@ -467,7 +455,7 @@ def make_environments(factory: Callable[[], Environment], n: int) -> list:
     out = []
     for _ in range(n):
         try: out.append(factory())
-        except Exception as e: out.append(_Unavailable(f"the environment factory raised {_describe(e)}"))
+        except Exception as e: out.append(_Unavailable(f"the environment factory raised {describe(e)}"))
     return out
 
 # %% ../nbs/13b_environments.ipynb

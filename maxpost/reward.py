@@ -342,6 +342,6 @@ def accuracy_line(cfg: RewardConfig, out: dict) -> str | None:
 
 def main(argv=None) -> int:
     "`maxpost reward [base.yml] key=value ...`: the run, then its held-out pair accuracy before and after."
-    return train_command("reward", argv, report=lambda cfg, out: [accuracy_line(cfg, out)])
+    return train_command("reward", argv, report=lambda tr, out: [accuracy_line(tr.cfg, out)])
 
 KIND = register_kind("reward", RewardConfig, main, "a reward model (Bradley-Terry) from preference pairs (base: configs/reward.yml)", trainer=RewardTrainer)

@@ -22,6 +22,7 @@ import numpy as np
 
 from .config import ConfigError
 from . import reasoning_gym
+from .workers import START_S, NotIsolated, Worker, describe, serve
 
 _log = logging.getLogger(__name__)
 
@@ -326,13 +327,11 @@ def _as_scores(value, n: int) -> tuple[list[float], int, str | None]:
     return scores, len(bad), (repr(bad[0])[:40] if bad else None)
 
 # %% ../nbs/13_rewards.ipynb
-def _describe(e: BaseException) -> str: return f"{type(e).__name__}: {e}"[:300]
-
 def _score_steps(fn, prompts, completions, kw: dict, catch=BaseException):
     "Call a reward function on the batch, then item by item if that raised; yields the messages its caller waits for."
     n = len(completions)
     try: value = fn(prompts, completions, **kw)
-    except catch as e: yield ("raised", _describe(e))
+    except catch as e: yield ("raised", describe(e))
     else:
         try: yield ("ok", *_as_scores(value, n))
         except Exception as e: yield ("wrong", str(e))
@@ -345,101 +344,14 @@ def _score_steps(fn, prompts, completions, kw: dict, catch=BaseException):
     yield ("items", scores, invalid, example, raised)
 
 # %% ../nbs/13_rewards.ipynb
-_START_S = 120.0        # how long a worker may take to start and load its function
-
 def _serve(fd: int) -> None:
-    "A worker process: load one reward function, then score batches until the trainer closes the connection."
-    signal.signal(signal.SIGINT, signal.SIG_IGN)          # Ctrl-C is for the trainer, which stops its workers
-    conn, parent = Connection(fd), os.getppid()
-    def orphaned():                                       # the trainer died without closing the connection
-        while os.getppid() == parent: time.sleep(1.0)
-        os._exit(0)
-    threading.Thread(target=orphaned, daemon=True).start()
-    try:
-        path, payload = conn.recv()
-        sys.path[:] = path
-        try: fn = pickle.loads(payload)
-        except BaseException as e: conn.send(("load_error", f"the worker cannot load it ({_describe(e)})")); return
-        conn.send(("ready",))
-        while True:
-            prompts, completions, kw = conn.recv()
-            for msg in _score_steps(fn, prompts, completions, kw): conn.send(msg)
-    except (EOFError, OSError): return                    # the trainer closed the connection
+    "A reward worker process (chapter `12f_workers`'s `serve`): load one reward function, then score batches until the trainer closes the connection."
+    serve(fd, _score_steps, "it")
 
 # %% ../nbs/13_rewards.ipynb
-class _NotIsolated(Exception): "A reward function that cannot run in a worker process (the message says why)."
-
-def _dumps(fn) -> bytes:
-    "The function pickled for a worker: by reference when importable, by value (cloudpickle, when installed) otherwise."
-    try: import cloudpickle
-    except ImportError: cloudpickle = None
-    if cloudpickle is None and getattr(fn, "__module__", None) == "__main__":
-        raise _NotIsolated("it is defined in __main__ and cloudpickle is not installed (pip install cloudpickle)")
-    try: return (cloudpickle or pickle).dumps(fn)
-    except Exception as e: raise _NotIsolated(f"it cannot be pickled ({_describe(e)})") from None
-
-class _Worker:
-    "One reward function in a Python process of its own; a call past its time limit ends with the process."
-    after_timeout = "its worker process was stopped and a fresh one started"
-    serve = "from maxpost.rewards import _serve; _serve({fd})"   # what the process runs (a tool worker, 13b, runs its own)
-
-    def __init__(self, fn):
-        self.payload, self.proc, self.conn, self.ready = _dumps(fn), None, None, False
-
-    def start(self) -> "_Worker":
-        if self.proc is not None: return self
-        import maxpost
-        root = str(Path(maxpost.__file__).resolve().parent.parent)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
-               "JAX_PLATFORMS": "cpu", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-        ours, theirs = socket.socketpair()
-        try:
-            self.proc = subprocess.Popen([sys.executable, "-c", self.serve.format(fd=theirs.fileno())],
-                                         pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
-        except Exception as e:
-            ours.close(); raise _NotIsolated(f"a worker process cannot be started ({_describe(e)})") from None
-        finally: theirs.close()
-        self.conn, self.ready = Connection(ours.detach()), False
-        self.conn.send((list(sys.path), self.payload))
-        return self
-
-    def busy(self) -> bool: return False
-
-    def send(self, fn, prompts, completions, kw):
-        for _ in range(2):                                   # a process that died while idle gets one fresh start
-            self.start()
-            if not self.ready:
-                msg = self.next(_START_S)
-                if msg is None or msg[0] != "ready":
-                    self.stop()
-                    raise _NotIsolated("its worker process did not start" if msg is None else msg[-1])
-                self.ready = True
-            try: return self.conn.send((prompts, completions, kw))   # pickled before anything is written
-            except OSError: self.stop()
-            except Exception as e: raise _NotIsolated(f"its inputs cannot be sent to a process ({_describe(e)})") from None
-        raise _NotIsolated("its worker process ends as soon as it starts")
-
-    def next(self, timeout: float | None):
-        "The worker's next message; None when none came within `timeout` s; ('died', why) when the process ended."
-        try:
-            if not self.conn.poll(timeout): return None
-            return self.conn.recv()
-        except (EOFError, OSError):
-            code = self.proc.poll()
-            self.stop()
-            return ("died", f"ended its worker process (exit code {code})")
-        except BaseException: self.stop(); raise         # Ctrl-C while waiting: the call goes with its process
-
-    def abandon(self): self.stop(); self.start()         # it may be stuck for good: a fresh process for the next call
-
-    def stop(self, grace: float = 0.0):
-        "End the process: close the connection, give it `grace` seconds to exit, then kill it."
-        if self.proc is None: return
-        self.conn.close()
-        try: self.proc.wait(timeout=grace) if grace else None
-        except subprocess.TimeoutExpired: pass
-        if self.proc.poll() is None: self.proc.kill(); self.proc.wait()
-        self.proc = self.conn = None; self.ready = False
+class _Worker(Worker):
+    "One reward function in a Python process of its own (chapter `12f_workers`); a call past its time limit ends with the process."
+    serve = "from maxpost.rewards import _serve; _serve({fd})"
 
 # %% ../nbs/13_rewards.ipynb
 class _ThreadRunner:
@@ -486,7 +398,7 @@ def _runner(spec, isolation: str):
     runners = _runners(spec)
     if isolation == "process" and "process" not in runners and "why" not in runners:
         try: worker = runners["process"] = _Worker(spec.fn)
-        except _NotIsolated as e: _fallback(spec, e)
+        except NotIsolated as e: _fallback(spec, e)
         else:
             try: weakref.finalize(spec.fn, worker.stop)
             except TypeError: weakref.finalize(spec, worker.stop)
@@ -499,7 +411,7 @@ def start_reward_workers(rewards) -> list[RewardSpec]:
     for spec in specs:
         if isinstance(worker := _runner(spec, "process"), _Worker):
             try: worker.start()
-            except _NotIsolated as e: _fallback(spec, e)
+            except NotIsolated as e: _fallback(spec, e)
     return specs
 
 def close_reward_workers(rewards=None, grace: float = 1.0):
@@ -526,7 +438,7 @@ def _run_one(spec, prompts, completions, columns, timeout_s, isolation) -> tuple
         _log.warning("reward %r is still running a call that ran past its time limit; not called: its %d items score 0", name, n)
         return failed, "timeout"
     try: runner.send(spec.fn, prompts, completions, kw)
-    except _NotIsolated as e:
+    except NotIsolated as e:
         _fallback(spec, e)
         runner = _runner(spec, isolation); runner.send(spec.fn, prompts, completions, kw)
     msg = runner.next(timeout_s)

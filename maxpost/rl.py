@@ -11,7 +11,7 @@ from typing import Optional, Protocol, Sequence, runtime_checkable
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
 
-from .config import TrainConfig, GenerationConfig, ConfigError, key, run_dir
+from .config import TrainConfig, GenerationConfig, ConfigError, key, register_kind, run_dir
 from . import sharding
 from .model import LOGITS_CHUNK_SIZE
 from .data import PromptIterator
@@ -22,20 +22,21 @@ from .rewards import (REWARD_ISOLATION, as_reward_specs, compute_rewards, correc
                              close_reward_workers)
 from .sampling import Rollout, generate, completion_logps, split_groups, make_logps_fn
 from .prompts import prompt_token_ids, stop_token_ids
-from .evaluate import load_examples, load_eval_examples, evaluate, eval_options, held_out_metrics
+from .evaluate import load_examples, load_eval_examples, evaluate, eval_options, held_out_metrics, held_out_table
 from .environments import (EpisodeConfig, Episodes, episode_limits, episode_problems, environment_factory,
                                   make_environments, rollout_episodes)
 from .tasks import check_held_out
 from .policy import Setup
 from .train import Trainer
-from .commands import start_trainer
+from .commands import start_trainer, train_command
 from .step import make_update_step, ReferencePolicy
 
 # %% auto 0
-__all__ = ['DEFAULT_EPSILONS', 'DEFAULT_IMPORTANCE_SAMPLING', 'STALE_IMPORTANCE_SAMPLING', 'ROLLOUT_ENGINES', 'resolve_epsilons',
-           'default_loss_agg_mode', 'loss_options', 'completion_width', 'default_importance_sampling', 'RLConfig',
-           'RolloutEngine', 'SamplerEngine', 'make_engine', 'sampling_options', 'correction_options', 'rollout_metrics',
-           'group_mini_batches', 'make_rl_step', 'RLTrainer', 'episode_batch', 'train_rl']
+__all__ = ['DEFAULT_EPSILONS', 'DEFAULT_IMPORTANCE_SAMPLING', 'STALE_IMPORTANCE_SAMPLING', 'ROLLOUT_ENGINES', 'KIND',
+           'resolve_epsilons', 'default_loss_agg_mode', 'loss_options', 'completion_width',
+           'default_importance_sampling', 'RLConfig', 'RolloutEngine', 'SamplerEngine', 'make_engine',
+           'sampling_options', 'correction_options', 'rollout_metrics', 'group_mini_batches', 'make_rl_step',
+           'RLTrainer', 'episode_batch', 'train_rl', 'main']
 
 # %% ../nbs/15_rl.ipynb
 DEFAULT_EPSILONS = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4)}
@@ -442,3 +443,11 @@ RLTrainer.episode_rollout = _episode_rollout
 def train_rl(cfg: RLConfig, *, progress: bool = True, reward_fns=None) -> dict:
     "Run (or resume) RL as configured; returns the final metrics."
     return start_trainer(RLTrainer, cfg, reward_fns=reward_fns).fit(progress=progress)
+
+# %% ../nbs/15_rl.ipynb
+def main(argv=None) -> int:
+    "`maxpost rl [base.yml] key=value ...`: the run, then its held-out table from the first evaluation to the last."
+    return train_command("rl", argv, report=lambda trainer, out: [held_out_table(run_dir(trainer.cfg))])
+
+KIND = register_kind("rl", RLConfig, main, "GRPO / GSPO from an SFT or Hugging Face checkpoint (base: configs/rl.yml)",
+                     trainer=RLTrainer)

@@ -15,13 +15,14 @@ from . import sharding
 from .model import LOGITS_CHUNK_SIZE
 from .data import DATA_FORMATS, TRAIN_ON, make_sft_iterator, check_examples
 from .sft_loss import model_sft_loss, target_weights, summarize_metrics
-from .tasks import embedded_split, check_held_out
+from .tasks import TASK_VARIANTS, embedded_split, check_held_out
 from .policy import Setup
 from .timing import flops_per_token
 from .train import Trainer, Prefetcher, compile_step_ahead
-from .commands import command_config, print_summary, start_trainer
+from .commands import start_trainer, train_command
 from .step import make_update_step, split_micro_batches
-from .evaluate import eval_config_for, load_eval_examples, run_evaluation
+from .evaluate import eval_config_for, load_eval_examples
+from .eval_command import run_evaluation
 
 # %% auto 0
 __all__ = ['KIND', 'SFTConfig', 'make_sft_step', 'make_eval_step', 'sft_data', 'evaluate_loss', 'SFTTrainer', 'train_sft',
@@ -164,7 +165,7 @@ def held_out_after_sft(cfg: SFTConfig) -> dict | None:
     "Greedy pass@1 and format rate of an SFT run's final policy on its first `eval_num_prompts` held-out problems, by `maxpost eval`'s code and defaults (the record lands in `eval-<run_name>` beside the run); None, with the reason on stderr, when `eval_num_prompts` is 0 or the held-out rows have no question and answer."
     if not cfg.eval_num_prompts: return None
     ecfg = eval_config_for(cfg, load_parameters_path=str(run_dir(cfg)), model_overrides={},
-                          environment="calculator" if cfg.embedded_task == "calculator" and not cfg.dataset_name else "",
+                          environment="" if cfg.dataset_name else TASK_VARIANTS[cfg.embedded_task].environment,
                           eval_num_prompts=cfg.eval_num_prompts, eval_k=0)
     try: load_eval_examples(ecfg)
     except ConfigError as e:
@@ -173,16 +174,17 @@ def held_out_after_sft(cfg: SFTConfig) -> dict | None:
     return run_evaluation(ecfg)
 
 # %% ../nbs/14c_sft.ipynb
+def _held_out_report(trainer: SFTTrainer, out: dict) -> list[str]:
+    "After the run: greedy pass@1 on held-out problems (`held_out_after_sft`), added to `out`, and its line."
+    res = None if out.get("already_finished") else held_out_after_sft(trainer.cfg)   # a finished run was checked when it finished
+    if not res: return []
+    out |= {"held_out_pass@1": res["pass@1"], "held_out_format_rate": res["format_rate"]}
+    return [f"held-out ({res['num_prompts']} problems) after SFT: pass@1 {100 * res['pass@1']:.1f} %, "
+            f"format rate {100 * res['format_rate']:.1f} %"]
+
 def main(argv=None) -> int:
     "`maxpost sft [base.yml] key=value ...`: train, then greedy pass@1 on held-out problems (`held_out_after_sft`), then the summary."
-    cfg = command_config("sft", argv)
-    out = start_trainer(SFTTrainer, cfg, announce=True).fit()
-    res = None if out.get("already_finished") else held_out_after_sft(cfg)   # a finished run was checked when it finished
-    if res: out |= {"held_out_pass@1": res["pass@1"], "held_out_format_rate": res["format_rate"]}
-    print_summary(out, cfg)
-    if res: print(f"held-out ({res['num_prompts']} problems) after SFT: pass@1 {100 * res['pass@1']:.1f} %, "
-                  f"format rate {100 * res['format_rate']:.1f} %")
-    return 0
+    return train_command("sft", argv, report=_held_out_report)
 
 # %% ../nbs/14c_sft.ipynb
 KIND = register_kind("sft", SFTConfig, main, "supervised fine-tuning (base: configs/sft.yml; default: the embedded task)",

@@ -5,16 +5,17 @@
 # %% auto 0
 __all__ = ['NAMES', 'ITEMS', 'SYSTEM_PROMPT', 'TASK_FILES', 'SHORTCUT_SHARE', 'HASTY_ERROR_RATE', 'PAD', 'ENDOFTEXT', 'IM_START',
            'IM_END', 'UNK', 'TAGS', 'CHAT_TEMPLATE', 'PRE_TOKENIZER_PATTERN', 'MAX_VOCAB', 'TASK_VERSION',
-           'EMBEDDED_TASKS', 'TOOL_TOKENS', 'CALCULATOR_SHARE', 'Difficulty', 'generate_problem', 'generate_problems',
+           'TASK_VARIANTS', 'TOOL_TOKENS', 'CALCULATOR_SHARE', 'Difficulty', 'generate_problem', 'generate_problems',
            'make_splits', 'prompt_messages', 'format_completion', 'is_answer_only', 'skip_last_step', 'sft_messages',
-           'write_embedded_task', 'tokenizer_corpus', 'build_tokenizer', 'prepare_embedded', 'embedded_task_dir',
-           'prepare_embedded_task', 'embedded_split', 'check_held_out', 'build_calculator_tokenizer',
-           'calculator_messages', 'write_calculator_task', 'prepare_calculator_task']
+           'write_embedded_task', 'tokenizer_corpus', 'build_tokenizer', 'TaskVariant', 'prepare_task',
+           'prepare_embedded', 'embedded_task_dir', 'prepare_embedded_task', 'embedded_split', 'check_held_out',
+           'build_calculator_tokenizer', 'calculator_messages', 'write_calculator_task', 'prepare_calculator_task']
 
 # %% ../nbs/05_tasks.ipynb
 import json, os, random, re, string
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from .config import ConfigError, RunConfig, TrainConfig, eval_source
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -231,28 +232,41 @@ def build_tokenizer(directory=None) -> "transformers.PreTrainedTokenizerFast":
 # %% ../nbs/05_tasks.ipynb
 TASK_VERSION = 3
 
-def prepare_embedded(directory, *, seed: int = 0, n_train: int = 20_000, n_test: int = 1_000,
-                     system_prompt: str | None = SYSTEM_PROMPT, shortcut_share: float = SHORTCUT_SHARE,
-                     hasty_error_rate: float = HASTY_ERROR_RATE, **difficulty) -> dict[str, str]:
-    "Write the embedded task's jsonl files and tokenizer into `directory` unless already there; returns the paths."
-    directory = Path(directory)
-    record = {"version": TASK_VERSION, "seed": seed, "n_train": n_train, "n_test": n_test, "system_prompt": system_prompt,
-              "shortcut_share": shortcut_share, "hasty_error_rate": hasty_error_rate,
-              "difficulty": asdict(Difficulty(**difficulty))}
+@dataclass(frozen=True)
+class TaskVariant:
+    "A built-in variant of the embedded task, one entry: its data writer `write(directory, seed=, ...)`, its `tokenizer(directory)` builder, the `environment=` its problems are played in (chapter `13b_environments`; \"\" = none) and its own `options` with their defaults (recorded with its files)."
+    write: Callable
+    tokenizer: Callable
+    environment: str = ""
+    options: dict = field(default_factory=dict)
+
+TASK_VARIANTS: dict[str, TaskVariant] = {"default": TaskVariant(write_embedded_task, build_tokenizer)}   # name -> variant (more below)
+
+def prepare_task(directory, variant: str = "default", *, seed: int = 0, n_train: int = 20_000, n_test: int = 1_000,
+                 system_prompt: str | None = SYSTEM_PROMPT, shortcut_share: float = SHORTCUT_SHARE,
+                 hasty_error_rate: float = HASTY_ERROR_RATE, **kw) -> dict[str, str]:
+    "Write the jsonl files and tokenizer of the embedded task's `variant` into `directory` unless its record (`embedded.json`) says they are there; returns the paths. `kw`: the variant's `options`, then `Difficulty` fields."
+    v, directory = TASK_VARIANTS[variant], Path(directory)
+    opts = {k: kw.pop(k, d) for k, d in v.options.items()}
+    record = {"version": TASK_VERSION, **({"variant": variant, **opts} if variant != "default" else {}), "seed": seed,
+              "n_train": n_train, "n_test": n_test, "system_prompt": system_prompt, "shortcut_share": shortcut_share,
+              "hasty_error_rate": hasty_error_rate, "difficulty": asdict(Difficulty(**kw))}
     record["difficulty"]["operations"] = list(record["difficulty"]["operations"])
     manifest = directory / "embedded.json"
     paths = {f.removesuffix(".jsonl"): str(directory / f) for f in TASK_FILES} | {"tokenizer": str(directory)}
     needed = [directory / f for f in TASK_FILES + ("tokenizer.json", "tokenizer_config.json")]
     if manifest.exists() and json.loads(manifest.read_text()) == record and all(p.exists() for p in needed): return paths
-    write_embedded_task(directory, seed=seed, n_train=n_train, n_test=n_test, system_prompt=system_prompt,
-                        shortcut_share=shortcut_share, hasty_error_rate=hasty_error_rate, **difficulty)
-    build_tokenizer(directory)
+    v.write(directory, seed=seed, n_train=n_train, n_test=n_test, system_prompt=system_prompt,
+            shortcut_share=shortcut_share, hasty_error_rate=hasty_error_rate, **opts, **kw)
+    v.tokenizer(directory)
     tmp = manifest.with_name(f"embedded.json.tmp{os.getpid()}"); tmp.write_text(json.dumps(record, indent=1)); os.replace(tmp, manifest)
     return paths
 
-# %% ../nbs/05_tasks.ipynb
-EMBEDDED_TASKS = ("default", "calculator")   # the variants a config's `embedded_task` may name (below, "A calculator variant")
+def prepare_embedded(directory, **kw) -> dict[str, str]:
+    "`prepare_task` of the default variant."
+    return prepare_task(directory, "default", **kw)
 
+# %% ../nbs/05_tasks.ipynb
 def _variant(cfg) -> str: return getattr(cfg, "embedded_task", "default") or "default"
 
 def embedded_task_dir(cfg: RunConfig) -> Path:
@@ -261,10 +275,10 @@ def embedded_task_dir(cfg: RunConfig) -> Path:
     return Path(os.path.expanduser(cfg.base_output_directory)) / ("embedded_task" if v == "default" else f"embedded_task_{v}")
 
 def prepare_embedded_task(cfg: RunConfig) -> dict[str, str]:
-    "`tasks.prepare_embedded` (or `prepare_calculator_task` for `embedded_task=calculator`) into `embedded_task_dir(cfg)`, a failed write (full disk, no permission) as one `ConfigError` naming the directory."
+    "`prepare_task` of the variant `cfg.embedded_task` into `embedded_task_dir(cfg)`, a failed write (full disk, no permission) as one `ConfigError` naming the directory."
     d, v = embedded_task_dir(cfg), _variant(cfg)
-    if v not in EMBEDDED_TASKS: raise ConfigError(f"embedded_task={v!r} is not one of {', '.join(EMBEDDED_TASKS)}")
-    try: return (prepare_calculator_task if v == "calculator" else prepare_embedded)(d, seed=cfg.seed)
+    if v not in TASK_VARIANTS: raise ConfigError(f"embedded_task={v!r} is not one of {', '.join(TASK_VARIANTS)}")
+    try: return prepare_task(d, v, seed=cfg.seed)
     except OSError as e:
         raise ConfigError(f"could not write the embedded task (about 15 MB) into {d}: {e.strerror or e} "
                           f"({e.filename or d}); free space there or set base_output_directory= to a writable "
@@ -342,22 +356,9 @@ def write_calculator_task(directory, *, seed: int = 0, n_train: int = 20_000, n_
     return {f.removesuffix(".jsonl"): str(directory / f) for f in TASK_FILES}
 
 # %% ../nbs/05_tasks.ipynb
-def prepare_calculator_task(directory, *, seed: int = 0, n_train: int = 20_000, n_test: int = 1_000,
-                            system_prompt: str | None = SYSTEM_PROMPT, shortcut_share: float = SHORTCUT_SHARE,
-                            hasty_error_rate: float = HASTY_ERROR_RATE, tool_share: float = CALCULATOR_SHARE,
-                            **difficulty) -> dict[str, str]:
-    "`prepare_embedded` for the calculator variant: its files and tokenizer in `directory` unless already there."
-    directory = Path(directory)
-    record = {"version": TASK_VERSION, "variant": "calculator", "tool_share": tool_share, "seed": seed, "n_train": n_train,
-              "n_test": n_test, "system_prompt": system_prompt, "shortcut_share": shortcut_share,
-              "hasty_error_rate": hasty_error_rate, "difficulty": asdict(Difficulty(**difficulty))}
-    record["difficulty"]["operations"] = list(record["difficulty"]["operations"])
-    manifest = directory / "embedded.json"
-    paths = {f.removesuffix(".jsonl"): str(directory / f) for f in TASK_FILES} | {"tokenizer": str(directory)}
-    needed = [directory / f for f in TASK_FILES + ("tokenizer.json", "tokenizer_config.json")]
-    if manifest.exists() and json.loads(manifest.read_text()) == record and all(p.exists() for p in needed): return paths
-    write_calculator_task(directory, seed=seed, n_train=n_train, n_test=n_test, system_prompt=system_prompt,
-                          shortcut_share=shortcut_share, hasty_error_rate=hasty_error_rate, tool_share=tool_share, **difficulty)
-    build_calculator_tokenizer(directory)
-    tmp = manifest.with_name(f"embedded.json.tmp{os.getpid()}"); tmp.write_text(json.dumps(record, indent=1)); os.replace(tmp, manifest)
-    return paths
+TASK_VARIANTS["calculator"] = TaskVariant(write_calculator_task, build_calculator_tokenizer, environment="calculator",
+                                          options={"tool_share": CALCULATOR_SHARE})
+
+def prepare_calculator_task(directory, **kw) -> dict[str, str]:
+    "`prepare_task` of the calculator variant: its files and tokenizer in `directory` unless already there."
+    return prepare_task(directory, "calculator", **kw)

@@ -173,7 +173,7 @@ def test_a_run_logs_plain_lines_to_a_file_and_leaves_no_lock(tmp_path):
     rec = json.loads((tmp_path / "eval-plain" / "eval.json").read_text())
     assert Path(rec["load_parameters_path"]) == tmp_path / "plain" and rec["step"] == 4 and rec["metrics"]["num_prompts"] == 8
     m = rec["metrics"]
-    assert r.stdout.splitlines()[-1] == (f"held-out (8 problems) after SFT: pass@1 {100 * m['pass@1']:.1f} %, "
+    assert r.stdout.splitlines()[-2] == (f"held-out (8 problems) after SFT: pass@1 {100 * m['pass@1']:.1f} %, "
                                          f"format rate {100 * m['format_rate']:.1f} %"), r.stdout[-1000:]
     e = cli("eval", f"base_output_directory={tmp_path}", "run_name=by-step", f"tokenizer_path={tok}",
             f"load_parameters_path={tmp_path / 'plain' / 'checkpoints' / '4'}", f"dataset_name={data}",
@@ -202,6 +202,21 @@ def test_sft_on_chat_data_says_why_there_is_no_pass_at_1(tmp_path):
     said = [l for l in r.stderr.splitlines() if l.startswith("no held-out pass@1 after SFT")]
     assert len(said) == 1 and "question" in said[0] and "eval_num_prompts=0" in said[0], r.stderr[-2000:]
     assert "held_out_pass@1" not in r.stdout and not (tmp_path / "eval-chat").exists()
+
+
+def test_every_training_kind_is_one_shape_registered_where_it_lives():
+    "Issue #48: each kind registers in the module of its config (rl in maxpost.rl, not the async chapter), every training kind's `main` is `train_command`, and `maxpost rl max_staleness=K` runs the asynchronous trainer."
+    from maxpost.cli import KIND_MODULES, load_kinds
+    from maxpost.rl import RLConfig, RLTrainer
+    from maxpost.async_rl import AsyncRLTrainer
+    kinds = load_kinds()
+    for name, k in kinds.items():
+        assert k.main.__module__ == KIND_MODULES[name][0], name
+        if k.trainer is not None:   # eval trains nothing: its config is the evaluation library's (14_evaluate)
+            assert k.config.__module__ == k.trainer.__module__ == k.main.__module__, name
+            assert "train_command" in k.main.__code__.co_names, name
+    cfg = lambda k: load_config("rl", ["base_output_directory=/x", f"max_staleness={k}"])
+    assert (kinds["rl"].trainer_for(cfg(0)), kinds["rl"].trainer_for(cfg(2))) == (RLTrainer, AsyncRLTrainer)
 
 
 def test_config_shows_the_values_an_rl_run_uses():

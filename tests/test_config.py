@@ -245,7 +245,7 @@ def test_dtype_auto_of_a_multi_process_run_starts_no_backend():
     """A multi-process run must call jax.distributed.initialize before JAX starts its backends: resolving `auto` for
     such a config reads the installed platform instead of asking JAX (which would start them)."""
     import os
-    code = ("from jax._src import xla_bridge\nfrom maxpost.config import load_config\n"
+    code = ("from jax._src import xla_bridge\nfrom maxpost.config import load_config\nimport maxpost.sft   # registers the kind sft\n"
             "c = load_config('sft', ['base_output_directory=/x', 'coordinator_address=localhost:1', 'num_processes=2'])\n"
             "print(c.dtype, xla_bridge.backends_are_initialized())")
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}

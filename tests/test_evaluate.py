@@ -11,7 +11,8 @@ from maxpost.config import load_config, ConfigError
 from maxpost.data import encode_chat
 from maxpost.prompts import PROMPT_TEMPLATES, render_prompt, prompt_token_ids, stop_token_ids
 from maxpost.evaluate import (load_eval_examples,
-                              pass_at_k, majority_vote, score_samples, evaluate, format_table, main)
+                              pass_at_k, majority_vote, score_samples, evaluate, format_table)
+from maxpost.eval_command import main
 from maxpost.rewards import gsm8k_gold, correctness_reward, format_reward
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -325,7 +326,7 @@ def test_cli_eval_on_a_short_sft_run(tmp_path):
 
 def test_eval_writes_into_its_own_directory_never_a_training_run(tmp_path):
     """issue 21, item 14: `maxpost eval` as README shows it (no run_name) must not write into the RL run's directory."""
-    from maxpost.evaluate import eval_dir
+    from maxpost.eval_command import eval_dir
     base = [f"base_output_directory={tmp_path}", f"load_parameters_path={tmp_path / 'embedded-sft'}"]
     assert eval_dir(load_config("eval", base)) == tmp_path / "eval-embedded-sft"
     assert eval_dir(load_config("eval", [*base[:1], f"load_parameters_path={tmp_path}/r/checkpoints/30"])) == tmp_path / "eval-r@30"

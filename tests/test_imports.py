@@ -90,11 +90,14 @@ def test_no_import_climbs_back():
 
 
 def test_kinds_are_found_below_the_cli():
-    "`maxpost.cli` imports the kind modules it finds by reading the package (a new kind is one module, named nowhere): each is an arrow cli -> kind, so every kind's chapter comes before the cli's."
-    from maxpost.cli import kind_modules
-    order, kinds = book_order(), kind_modules()
-    assert {"sft", "async_rl", "dpo", "evaluate"} <= set(kinds), kinds
-    assert all(order.index(k) < order.index("cli") for k in kinds), [k for k in kinds if order.index(k) >= order.index("cli")]
+    "`maxpost.cli` names every kind's module in its table `KIND_MODULES` (constant strings, so each is an arrow cli -> kind that the book-order check reads): every kind's chapter comes before the cli's, and each module of the table registers the kinds it is listed for."
+    from maxpost.cli import KIND_MODULES, load_kinds
+    order, kinds = book_order(), load_kinds()
+    modules = {m.split(".")[1] for ms in KIND_MODULES.values() for m in ms}
+    assert {"sft", "rl", "async_rl", "dpo", "distill", "eval_command"} <= modules, modules
+    assert all(order.index(k) < order.index("cli") for k in modules), [k for k in modules if order.index(k) >= order.index("cli")]
+    for name, (first, *_) in KIND_MODULES.items():   # the kind's own module first: the one that registers it
+        assert kinds[name].main.__module__ == first, (name, kinds[name].main.__module__)
 
 
 def computed_imports(source: str, package: str = "maxpost") -> int:
@@ -109,7 +112,6 @@ def computed_imports(source: str, package: str = "maxpost") -> int:
 
 
 COMPUTES_IMPORTS = {"cli"}    # the top floor: the one module that may import a kind it does not name
-NOT_YET_MOVED = {"config"}    # config.load_kinds: the name-to-module lookup, to move to the top floor (issue #48, item 3)
 
 
 def test_a_computed_import_is_seen():
@@ -121,5 +123,4 @@ def test_a_computed_import_is_seen():
 def test_computed_imports_only_on_the_top_floor():
     "An f-string or `+` import of a maxpost module reaches past the book-order check: only the CLI may compute one."
     found = {f.stem for f in PKG.glob("*.py") if computed_imports(f.read_text())}
-    assert found - COMPUTES_IMPORTS - NOT_YET_MOVED == set(), f"computed imports of maxpost modules below the CLI: {found - COMPUTES_IMPORTS - NOT_YET_MOVED}"
-    assert NOT_YET_MOVED <= found, f"{NOT_YET_MOVED - found} no longer computes an import: take it off NOT_YET_MOVED"
+    assert found - COMPUTES_IMPORTS == set(), f"computed imports of maxpost modules below the CLI: {found - COMPUTES_IMPORTS}"
