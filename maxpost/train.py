@@ -318,6 +318,7 @@ def _fit(tr: Trainer, progress: bool) -> dict:
                     rec = {k: as_scalar(v) for k, v in jax.device_get(m).items()}
                     rec |= _throughput(tr, t.tokens, t.window_seconds(), t.steps) | t.take()
                     with clock("log"): last = log.log(tr.step, rec)
+                log.advance()     # the bar on a terminal (lines to a file come from `log.log`)
                 t.after_first()
                 if cfg.eval_interval and tr.step % cfg.eval_interval == 0 and tr.step < cfg.steps:
                     check()

@@ -371,3 +371,48 @@ def test_help_shows_the_values_the_bare_command_runs(kind):
                                       "run_name")} == {"steps": "500", "learning_rate": "0.003", "global_batch_size": "32",
                                                        "warmup_steps": "20", "max_target_length": "192",
                                                        "run_name": "embedded-sft"}, shown
+
+
+# --- the progress bar on a terminal (issue 49 phase 2) ----------------------------------------------------------------
+
+def run_on_a_terminal(args, timeout=600) -> tuple[int, str]:
+    "Run `maxpost ARGS` with stdout and stderr on a pseudo-terminal (as a person's shell runs it): its exit code and all it wrote."
+    import pty, select, time
+    code = "import sys\nfrom maxpost.cli import main\nsys.exit(main(sys.argv[1:]))"
+    pid, fd = pty.fork()
+    if pid == 0:                     # the child: its stdin, stdout and stderr are the terminal, 120 columns wide
+        import fcntl, struct, termios
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        os.chdir(ROOT)
+        os.execve(sys.executable, [sys.executable, "-c", code, *map(str, args)], ENV)
+    out, end = b"", time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not select.select([fd], [], [], 1)[0]: continue
+        try: chunk = os.read(fd, 65536)
+        except OSError: break        # the child closed the terminal (Linux raises EIO)
+        if not chunk: break
+        out += chunk
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    return os.waitstatus_to_exitcode(status), out.decode(errors="replace")
+
+
+def test_a_terminal_sees_the_progress_bar_advance_and_a_file_gets_plain_lines(tmp_path):
+    """After the `memory:` line a terminal printed nothing until the run ended (`MetricsLogger.advance`, which draws the
+    bar, was called nowhere): now the bar shows several step counts as the run goes; with stdout and stderr a file (a
+    pipe here), the plain step lines come as before and no bar's carriage returns."""
+    import re
+    steps = 40
+    args = ["sft", f"base_output_directory={tmp_path}", "train_split=train[:64]", "eval_split=test[:8]",
+            "global_batch_size=4", "max_target_length=160", "eval_batches=1", "eval_num_prompts=0",
+            "model_overrides={num_layers: 1}", f"steps={steps}", "checkpoint_period=1000", "log_period=5"]
+    code, out = run_on_a_terminal([*args, "run_name=tty"])
+    assert code == 0, out[-3000:]
+    counts = {int(n) for n in re.findall(rf"\| *(\d+)/{steps} \[", out)}        # tqdm's "| 12/40 [00:01<..."
+    assert len(counts - {0, steps}) >= 2 and max(counts) == steps, (sorted(counts), out[-3000:])
+    assert not re.search(r"\d+it \[", out), out[-3000:]                           # never past its total
+    assert f"step 5/{steps} train" not in out                                     # the bar, not the plain lines
+    piped = cli(*args, "run_name=file")
+    assert piped.returncode == 0, piped.stderr[-3000:]
+    plain = re.findall(rf"step (\d+)/{steps} train", piped.stderr)
+    assert [int(n) for n in plain] == list(range(5, steps + 1, 5)) and "\r" not in piped.stderr, piped.stderr[-3000:]
