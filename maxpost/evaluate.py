@@ -61,6 +61,8 @@ def load_examples(cfg: QAConfig, split: str, *, source: str | None = None, num_p
                           f"columns found: {names}. Set question_column= / answer_column=")
     rows = rows.select(range(min(num_prompts, len(rows)))) if hasattr(rows, "select") and num_prompts else \
            rows[:num_prompts] if num_prompts else rows
+    from maxpost.data import check_no_nulls
+    check_no_nulls(rows, (qcol, acol), f"dataset {source or 'embedded task'!r} (split {split!r})")
     if check_gold: check_gold_answers([row[acol] for row in rows], column=acol)
     return [{**row, "question": str(row[qcol]), "answer": gsm8k_gold(str(row[acol]))} for row in rows]
 

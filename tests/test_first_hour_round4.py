@@ -416,3 +416,47 @@ def test_a_terminal_sees_the_progress_bar_advance_and_a_file_gets_plain_lines(tm
     assert piped.returncode == 0, piped.stderr[-3000:]
     plain = re.findall(rf"step (\d+)/{steps} train", piped.stderr)
     assert [int(n) for n in plain] == list(range(5, steps + 1, 5)) and "\r" not in piped.stderr, piped.stderr[-3000:]
+
+
+# --- every row checked before the first step: null questions and answers ----------------------------------------------
+
+def qa_file(path, n=300, null_question=(), null_answer=()):
+    rows = [{"question": None if i in null_question else f"What is {i} + 1?",
+             "answer": None if i in null_answer else f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+RL_SMALL = ["load_parameters_path=", "model_overrides={num_layers: 1}", "steps=1", "eval_num_prompts=0",
+            "global_batch_size=4", "num_generations=2", "mini_batch_size=0", "eval_split=train[:4]",
+            "eval_on_train=true"]
+
+
+def test_rl_data_with_a_null_question_deep_in_the_file_is_one_line(tmp_path):
+    """A null `question` in row 250 of 300 became the prompt text 'None': one line naming the row, the column and the
+    fix, exit 2, before the first step."""
+    from maxpost.tasks import build_tokenizer
+    build_tokenizer(tmp_path / "tok")
+    data = qa_file(tmp_path / "qa.jsonl", null_question={250})
+    line = one_line_error(cli("rl", f"base_output_directory={tmp_path}", f"dataset_name={data}",
+                              f"tokenizer_path={tmp_path / 'tok'}", *RL_SMALL))
+    assert "row 250 has a null 'question' (1 of 300 rows do)" in line and "give every row a question" in line, line
+    assert not list(tmp_path.rglob("checkpoints/*")), list(tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("column", ["question", "answer"])
+def test_every_row_null_is_refused_for_rl_eval_and_distill(tmp_path, column):
+    "Every row's answer (or question) null: the examples RL and evaluation read, and distillation's, are refused alike."
+    from maxpost.config import ConfigError, load_config
+    from maxpost.distill import distill_examples
+    from maxpost.evaluate import load_examples
+    n = 20
+    data = qa_file(tmp_path / "qa.jsonl", n=n, **{f"null_{column}": set(range(n))})
+    cfg = load_config("rl", [f"base_output_directory={tmp_path}", f"dataset_name={data}"])
+    for check_gold in (True, False):
+        with pytest.raises(ConfigError, match=f"row 0 has a null '{column}' \\({n} of {n} rows do\\)"):
+            load_examples(cfg, "train", check_gold=check_gold)
+    if column == "question":
+        dcfg = load_config("distill", [f"base_output_directory={tmp_path}", f"dataset_name={data}"])
+        with pytest.raises(ConfigError, match=f"row 0 has a null 'question' \\({n} of {n} rows do\\)"):
+            distill_examples(dcfg, "train")
