@@ -299,6 +299,8 @@ class RLTrainer(Trainer):
         self.environment = environment_factory(cfg.environment) if cfg.environment else None   # episodes: one per call
         with self.clock("data"):
             self.prompts = PromptIterator(load_examples(cfg, cfg.train_split, check_gold=correctness), seed=cfg.seed)
+            from maxpost.rewards import check_reward_columns    # every call of a reward lacking its column would fail
+            check_reward_columns(self.rewards, self.prompts.examples[0], f"dataset {cfg.dataset_name or 'embedded task'!r}")
             self.eval_examples = load_eval_examples(cfg)
         self.build_steps()
         self.engine = engine if engine is not None else make_engine(cfg, self.model, self.tokenizer)

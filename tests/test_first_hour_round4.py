@@ -460,3 +460,29 @@ def test_every_row_null_is_refused_for_rl_eval_and_distill(tmp_path, column):
         dcfg = load_config("distill", [f"base_output_directory={tmp_path}", f"dataset_name={data}"])
         with pytest.raises(ConfigError, match=f"row 0 has a null 'question' \\({n} of {n} rows do\\)"):
             distill_examples(dcfg, "train")
+
+
+# --- a reward whose column the data lacks --------------------------------------------------------------------------
+
+def test_score_answer_reward_without_reasoning_gym_entries_is_one_line(tmp_path):
+    """`score_answer_reward` on the embedded task (no `rg_entry` column), with one weight: every call failed, loss 0,
+    exit 0. Now one line before the first step naming the reward, the column and where it comes from."""
+    r = cli("rl", f"base_output_directory={tmp_path}", *RL_SMALL, "reward_functions=[maxpost.rewards:score_answer_reward]",
+            "reward_weights=[1.0]")
+    line = one_line_error(r)
+    assert "reward 'score_answer_reward' needs the column 'rg_entry', which dataset 'embedded task' lacks" in line, line
+    assert "dataset_name=reasoning_gym:<task>" in line and "leave score_answer_reward out of reward_functions" in line
+    assert not list(tmp_path.rglob("metrics.jsonl"))
+
+
+def test_a_reward_column_check_reads_the_signature():
+    "Each reward's parameters after prompts and completions without a default are the columns it needs; **columns is none."
+    from maxpost.config import ConfigError
+    from maxpost.rewards import check_reward_columns, correctness_reward, format_reward
+    def needs_both(prompts, completions, answer, level, hint=None, **columns): return [0.0] * len(completions)
+    check_reward_columns([format_reward, correctness_reward], {"answer": []}, "data")
+    check_reward_columns([needs_both], {"answer": [], "level": []}, "data")
+    with pytest.raises(ConfigError, match="reward 'needs_both' needs the column 'level', which data lacks"):
+        check_reward_columns([needs_both], {"answer": []}, "data")
+    with pytest.raises(ConfigError, match="needs the column 'answer'"):
+        check_reward_columns([correctness_reward], {"question": []}, "data")
