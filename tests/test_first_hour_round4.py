@@ -486,3 +486,36 @@ def test_a_reward_column_check_reads_the_signature():
         check_reward_columns([needs_both], {"answer": []}, "data")
     with pytest.raises(ConfigError, match="needs the column 'answer'"):
         check_reward_columns([correctness_reward], {"question": []}, "data")
+
+
+# --- a run in which every item of a step fails stops ----------------------------------------------------------------
+
+def always_fails(prompts, completions, **columns): raise KeyError("rg_entry")
+
+
+@pytest.mark.parametrize("failing", ["environment", "reward"])
+def test_a_run_whose_every_item_fails_stops_after_max_failed_steps(tmp_path, capsys, failing):
+    """Every episode erring (an environment factory that raises) or a reward function failing on every item: the run
+    trained nothing and exited 0. Now the max_failed_steps-th such step in a row (3 by default) stops it, exit 2, with
+    the first error in one line; max_failed_steps=0 goes on as before."""
+    from maxpost.config import ConfigError, load_config
+    from maxpost.commands import start_trainer
+    from maxpost.rl import RLTrainer
+    from maxpost.rundir import read_metrics
+    from test_agentic import SMALL, _Replay
+    extra = ["environment=test_agentic:factory_raises"] if failing == "environment" else ["environment=test_agentic:_Echo",
+                                                                                      "reward_isolation=thread"]
+    fns = None if failing == "environment" else [always_fails]
+    cfg = load_config("rl", [f"base_output_directory={tmp_path}", "run_name=c", "steps=5", "eval_num_prompts=2",
+                             *SMALL, *extra])
+    assert cfg.max_failed_steps == 3
+    with pytest.raises(ConfigError) as e:
+        start_trainer(RLTrainer, cfg, engine=_Replay(), reward_fns=fns).fit(progress=False)
+    msg = str(e.value)
+    assert msg.startswith("steps 1-3: every item of each step failed") and "\n" not in msg, msg
+    assert ("every episode ended with an environment error" in msg and "no environment left" in msg if failing ==
+            "environment" else "reward 'always_fails' failed on every item" in msg and "KeyError" in msg), msg
+    assert [m["step"] for m in read_metrics(tmp_path / "c", "train")] == [1, 2]     # the third step is not logged
+    cfg = load_config("rl", [f"base_output_directory={tmp_path}", "run_name=d", "steps=4", "eval_num_prompts=2",
+                             "max_failed_steps=0", *SMALL, *extra])
+    assert start_trainer(RLTrainer, cfg, engine=_Replay(), reward_fns=fns).fit(progress=False)["step"] == 4
