@@ -169,6 +169,10 @@ def read_adapter_config(path) -> dict:
     p = Path(path) / "adapter_config.json"
     if not p.exists(): raise FileNotFoundError(f"{p} does not exist: load_adapter_path must be a peft adapter directory")
     cfg = json.loads(p.read_text())
+    r = cfg.get("r") if isinstance(cfg, dict) else None
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:   # e.g. an empty {}: say so before the targets' check
+        raise ValueError(f"{p} gives no LoRA rank 'r' (a positive integer): give the adapter directory peft or maxpost "
+                         "wrote (its config names r, lora_alpha, target_modules)")
     if cfg.get("peft_type", "LORA") != "LORA": raise ValueError(f"{path} holds a {cfg['peft_type']} adapter, not LoRA")
     for k, ok in _UNSUPPORTED.items():
         if cfg.get(k, ok[0]) not in ok: raise ValueError(f"{path}: {k}={cfg[k]!r} is not supported by maxpost's LoRA")

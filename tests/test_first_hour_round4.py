@@ -519,3 +519,17 @@ def test_a_run_whose_every_item_fails_stops_after_max_failed_steps(tmp_path, cap
     cfg = load_config("rl", [f"base_output_directory={tmp_path}", "run_name=d", "steps=4", "eval_num_prompts=2",
                              "max_failed_steps=0", *SMALL, *extra])
     assert start_trainer(RLTrainer, cfg, engine=_Replay(), reward_fns=fns).fit(progress=False)["step"] == 4
+
+
+# --- an empty adapter_config.json names the missing rank -----------------------------------------------------------
+
+@pytest.mark.parametrize("targets", [[], ["lora_target_modules=q_proj,v_proj"]])
+def test_an_empty_adapter_config_names_the_missing_rank(tmp_path, targets):
+    """`{}` as load_adapter_path's adapter_config.json blamed lora_target_modules (and again when that key was given):
+    now one line naming the missing rank 'r', as `maxpost convert --adapter` says of the same directory."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    line = one_line_error(cli("sft", f"base_output_directory={tmp_path}", "model_overrides={num_layers: 1}", "steps=1",
+                              "lora_rank=4", f"load_adapter_path={adapter}", *targets))
+    assert "gives no LoRA rank 'r' (a positive integer)" in line and "lora_target_modules" not in line, line
