@@ -533,3 +533,30 @@ def test_an_empty_adapter_config_names_the_missing_rank(tmp_path, targets):
     line = one_line_error(cli("sft", f"base_output_directory={tmp_path}", "model_overrides={num_layers: 1}", "steps=1",
                               "lora_rank=4", f"load_adapter_path={adapter}", *targets))
     assert "gives no LoRA rank 'r' (a positive integer)" in line and "lora_target_modules" not in line, line
+
+
+# --- an f-string missing its f --------------------------------------------------------------------------------------
+
+def test_an_unknown_environment_module_names_the_factory_not_a_placeholder(tmp_path):
+    "`environment=no_such_mod:f` ended in a literal `{attr}`: the line names the module and the factory."
+    from maxpost.config import ConfigError
+    from maxpost.environments import environment_factory
+    with pytest.raises(ConfigError) as e: environment_factory("no_such_mod:f")
+    assert str(e.value).endswith("is no_such_mod importable from here (PYTHONPATH) and does it define f?"), str(e.value)
+
+
+def test_no_message_holds_a_placeholder_of_a_continued_f_string():
+    """The general form: in every module, an f-string continued by a plain literal on the next line keeps `{name}`
+    as text. Every literal part of an f-string is scanned for a `{name}` (only prompts.py's `{question}`, which a
+    prompt template holds on purpose, is meant)."""
+    import ast, re
+    meant = {("prompts.py", "{question}")}
+    found = []
+    for p in sorted((ROOT / "maxpost").glob("*.py")):
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.JoinedStr):
+                for v in n.values:
+                    if isinstance(v, ast.Constant) and isinstance(v.value, str):
+                        found += [(p.name, m, n.lineno) for m in re.findall(r"\{[A-Za-z_][\w.]*(?:\[[^\]]*\])?(?:![rsa])?(?::[^}]*)?\}", v.value)
+                                  if (p.name, m) not in meant]
+    assert not found, found
