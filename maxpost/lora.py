@@ -153,10 +153,11 @@ def save_adapter(model: Decoder, path, base_model_name_or_path: str = "", source
         tensors[_peft_name(i, n, "A")] = np.ascontiguousarray(sharding.host_array(lora.a[...]).reshape(-1, r).T)
         tensors[_peft_name(i, n, "B")] = np.ascontiguousarray(sharding.host_array(lora.b[...]).reshape(r, -1).T)
     if jax.process_index() == 0:
+        from maxpost.checkpoint import write_safetensors      # the mode of any file; a full disk in one line
         path.mkdir(parents=True, exist_ok=True)
         (path / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
         (path / "README.md").write_text(adapter_readme(cfg, base_model_name_or_path, source))
-        save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(tensors, path / "adapter_model.safetensors", metadata={"format": "pt"})
     return path
 
 # %% ../nbs/03c_lora.ipynb

@@ -560,3 +560,42 @@ def test_no_message_holds_a_placeholder_of_a_continued_f_string():
                         found += [(p.name, m, n.lineno) for m in re.findall(r"\{[A-Za-z_][\w.]*(?:\[[^\]]*\])?(?:![rsa])?(?::[^}]*)?\}", v.value)
                                   if (p.name, m) not in meant]
     assert not found, found
+
+
+# --- weights written: a full disk in one line, the mode of any file ---------------------------------------------------
+
+def current_umask() -> int:
+    m = os.umask(0o22); os.umask(m); return m
+
+
+def test_weights_files_get_the_mode_of_any_new_file(tmp_path):
+    "Converted and exported `model.safetensors` files were 0600 (safetensors' own mode): now 0666 less the umask."
+    from maxpost.checkpoint import save_hf
+    from maxpost.model import create_model, get_model_config
+    save_hf(create_model(get_model_config("tiny", num_layers=1), seed=1), tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~current_umask()
+    r = cli("convert", tmp_path / "hf", tmp_path / "again", "--to", "hf")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "again" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~current_umask()
+
+
+def test_a_full_disk_while_writing_weights_is_one_line_with_the_free_space(tmp_path, capsys, monkeypatch):
+    """A full disk during `maxpost convert` or `save_hf` is safetensors' SafetensorError, not an OSError: a traceback.
+    Now one line naming the file and the free space on its disk (the writer is made to fail as a full disk does)."""
+    from safetensors import SafetensorError
+    from maxpost import checkpoint
+    from maxpost.model import create_model, get_model_config
+    model = create_model(get_model_config("tiny", num_layers=1), seed=1)
+    checkpoint.save_hf(model, tmp_path / "hf")
+    def full(*a, **k): raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                                             'message: "No space left on device" })')
+    monkeypatch.setattr(checkpoint, "save_file", full)
+    with pytest.raises(checkpoint.CheckpointError) as e: checkpoint.save_hf(model, tmp_path / "out")
+    import re
+    assert str(tmp_path / "out" / "model.safetensors") in str(e.value) and "No space left on device" in str(e.value)
+    assert re.search(r"\d+\.\d\d? [MG]iB free on its disk", str(e.value)), str(e.value)
+    code, err = run_cli(capsys, "convert", tmp_path / "hf", tmp_path / "conv", "--to", "hf")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert "model.safetensors could not be written (SafetensorError" in lines[0] and "free on its disk" in lines[0]
+    assert str(tmp_path / "conv") in lines[0] and not (tmp_path / "conv").exists(), lines[0]
