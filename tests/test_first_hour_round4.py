@@ -599,3 +599,18 @@ def test_a_full_disk_while_writing_weights_is_one_line_with_the_free_space(tmp_p
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
     assert "model.safetensors could not be written (SafetensorError" in lines[0] and "free on its disk" in lines[0]
     assert str(tmp_path / "conv") in lines[0] and not (tmp_path / "conv").exists(), lines[0]
+
+
+# --- item 6's leftovers: what a rerun, distill's start line and the summary say ----------------------------------------
+
+def test_a_rerun_of_a_finished_sft_says_only_that_it_is_finished(tmp_path):
+    "A rerun of a finished SFT printed its data preparation (the splits' lines) before 'already finished': now that line comes right after the start line."
+    tiny = ["sft", f"base_output_directory={tmp_path}", "run_name=r", "train_split=train[:32]", "eval_split=test[:8]",
+            "global_batch_size=8", "max_target_length=160", "eval_batches=1", "eval_num_prompts=0",
+            "model_overrides={num_layers: 1}", "steps=1"]
+    first = cli(*tiny)
+    assert first.returncode == 0 and "train split: 32 examples" in first.stderr, first.stderr[-2000:]
+    again = cli(*tiny)
+    lines = [l for l in again.stderr.splitlines() if l.strip()]
+    assert again.returncode == 0 and lines[0].startswith("start: "), again.stderr[-2000:]
+    assert "is already finished (step 1 of 1)" in lines[1] and len(lines) == 2, again.stderr[-2000:]
