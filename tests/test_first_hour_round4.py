@@ -614,3 +614,14 @@ def test_a_rerun_of_a_finished_sft_says_only_that_it_is_finished(tmp_path):
     lines = [l for l in again.stderr.splitlines() if l.strip()]
     assert again.returncode == 0 and lines[0].startswith("start: "), again.stderr[-2000:]
     assert "is already finished (step 1 of 1)" in lines[1] and len(lines) == 2, again.stderr[-2000:]
+
+
+def test_distills_start_line_names_the_teacher_too(tmp_path, capsys):
+    "`maxpost distill`'s start line named the student only: now the teacher too, its checkpoint, size on disk and parameters."
+    from maxpost.checkpoint import checkpoint_size, describe_size
+    teacher = hf_with_tokenizer(tmp_path / "teacher")
+    code, err = run_cli(capsys, "distill", f"base_output_directory={tmp_path}", f"teacher_path={teacher}", *DISTILL_SMALL)
+    assert code == 0, err[-3000:]
+    line = next(l for l in err.splitlines() if l.startswith("start: "))
+    assert f"; teacher: checkpoint {teacher} ({describe_size(checkpoint_size(teacher))} on disk), " in line, line
+    assert line.count(" M parameters") == 2, line
