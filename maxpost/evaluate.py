@@ -150,7 +150,7 @@ def evaluate(model, tokenizer, examples: Sequence[dict], *, k: int = 8, template
     n = out.pop("num_prompts")
     out |= {"mean_completion_length": float(np.mean(lengths)), "truncation_rate": 1.0 - float(np.mean(stopped)),
             "num_prompts": n, "truncated_prompts": sum(len(p) > max_prompt_length for p in prompts),
-            "temperature": float(temperature)}
+            "temperature": float(temperature) if k else 0.0}   # what the evaluation sampled at: 0, greedy only, when k = 0
     if return_completions:
         out["completions"] = [
             {"question": q, "answer": a, "completion": t, "extracted": extract_answer(t), "correct": _correct(t, a),
@@ -218,7 +218,7 @@ def evaluate_episodes(model, tokenizer, examples: Sequence[dict], factory, *, k:
                         temperature=temperature, top_k=top_k, top_p=top_p, **kw)
         flat = [t for e in sampled for t in e.text]
         samples = [flat[i * k:(i + 1) * k] for i in range(n)]
-    out = score_samples(texts, samples, golds, k, template) | _episode_stats(greedy) | {"temperature": float(temperature)}
+    out = score_samples(texts, samples, golds, k, template) | _episode_stats(greedy) | {"temperature": float(temperature) if k else 0.0}
     if return_completions:
         msgs = [m for e in greedy for m in e.messages]
         out["completions"] = [{"question": x["question"], "answer": a, "completion": t, "extracted": extract_answer(t),

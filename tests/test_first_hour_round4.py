@@ -625,3 +625,21 @@ def test_distills_start_line_names_the_teacher_too(tmp_path, capsys):
     line = next(l for l in err.splitlines() if l.startswith("start: "))
     assert f"; teacher: checkpoint {teacher} ({describe_size(checkpoint_size(teacher))} on disk), " in line, line
     assert line.count(" M parameters") == 2, line
+
+
+def test_a_greedy_only_evaluation_reports_temperature_0():
+    """With k = 0 the evaluation samples greedily only, yet reported (and the summary table printed) temperature 1.000
+    beside its greedy pass@1: it reports the temperature it used, 0; with k > 0 the sampling temperature."""
+    from maxpost.evaluate import evaluate, format_table
+    from maxpost.model import create_model, get_model_config
+    from maxpost.tasks import build_tokenizer
+    model, tok = create_model(get_model_config("tiny", num_layers=1), seed=1), build_tokenizer()
+    examples = [{"question": "What is 1 + 1?", "answer": "2"}, {"question": "What is 2 + 2?", "answer": "4"}]
+    kw = dict(max_prompt_length=64, max_completion_length=4, temperature=0.7)
+    greedy = evaluate(model, tok, examples, k=0, **kw)
+    assert greedy["temperature"] == 0.0
+    import re
+    lines = format_table({"run": greedy}).splitlines()
+    header, row = lines[0].split(), re.split(r"\s{2,}", lines[2].strip())
+    assert row[1 + header.index("temperature")] == "0.000", lines
+    assert evaluate(model, tok, examples, k=2, **kw)["temperature"] == 0.7
