@@ -376,25 +376,23 @@ def test_help_shows_the_values_the_bare_command_runs(kind):
 # --- the progress bar on a terminal (issue 49 phase 2) ----------------------------------------------------------------
 
 def run_on_a_terminal(args, timeout=600) -> tuple[int, str]:
-    "Run `maxpost ARGS` with stdout and stderr on a pseudo-terminal (as a person's shell runs it): its exit code and all it wrote."
-    import pty, select, time
+    "Run `maxpost ARGS` with stdin, stdout and stderr on a pseudo-terminal of 120 columns (as a person's shell runs it): its exit code and all it wrote."
+    import fcntl, pty, select, struct, termios, time
     code = "import sys\nfrom maxpost.cli import main\nsys.exit(main(sys.argv[1:]))"
-    pid, fd = pty.fork()
-    if pid == 0:                     # the child: its stdin, stdout and stderr are the terminal, 120 columns wide
-        import fcntl, struct, termios
-        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-        os.chdir(ROOT)
-        os.execve(sys.executable, [sys.executable, "-c", code, *map(str, args)], ENV)
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    p = subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdin=slave, stdout=slave, stderr=slave,
+                         cwd=ROOT, env=ENV, start_new_session=True)
+    os.close(slave)
     out, end = b"", time.monotonic() + timeout
     while time.monotonic() < end:
-        if not select.select([fd], [], [], 1)[0]: continue
-        try: chunk = os.read(fd, 65536)
+        if not select.select([master], [], [], 1)[0]: continue
+        try: chunk = os.read(master, 65536)
         except OSError: break        # the child closed the terminal (Linux raises EIO)
         if not chunk: break
         out += chunk
-    _, status = os.waitpid(pid, 0)
-    os.close(fd)
-    return os.waitstatus_to_exitcode(status), out.decode(errors="replace")
+    os.close(master)
+    return p.wait(timeout=60), out.decode(errors="replace")
 
 
 def test_a_terminal_sees_the_progress_bar_advance_and_a_file_gets_plain_lines(tmp_path):
