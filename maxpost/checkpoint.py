@@ -18,9 +18,9 @@ from .sharding import param_shardings, host_array, variable_at
 
 # %% auto 0
 __all__ = ['ARCHITECTURES', 'hf_config_to_model_config', 'model_config_to_hf_config', 'HFParam', 'hf_param_map', 'hf_to_param',
-           'param_to_hf', 'hf_state_dict', 'save_hf', 'load_hf', 'CheckpointError', 'save_limit_gb',
-           'checkpoint_manager', 'prune_steps', 'state_bytes', 'check_free_space', 'finish_saves', 'save_state',
-           'describe_size', 'checkpoint_size', 'restore_state']
+           'param_to_hf', 'hf_state_dict', 'save_hf', 'write_safetensors', 'load_hf', 'CheckpointError',
+           'WeightsWriteError', 'save_limit_gb', 'checkpoint_manager', 'prune_steps', 'state_bytes', 'check_free_space',
+           'finish_saves', 'save_state', 'describe_size', 'checkpoint_size', 'restore_state']
 
 # %% ../nbs/03_checkpoint.ipynb
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3",
@@ -191,8 +191,21 @@ def save_hf(model: Decoder, path, tensors: dict | None = None) -> Path:
     tensors = hf_state_dict(model) if tensors is None else tensors
     if jax.process_index() == 0:
         (path / "config.json").write_text(json.dumps(model_config_to_hf_config(model.cfg), indent=2))
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(tensors, path / "model.safetensors", metadata={"format": "pt"})
     return path
+
+def write_safetensors(tensors: dict, f, metadata: dict | None = None) -> Path:
+    "`save_file` with the mode of any new file (safetensors' own is 0600) and, for a failed write (a full disk is safetensors' `SafetensorError`, not an `OSError`), a `WeightsWriteError` naming the file and the free space."
+    from safetensors import SafetensorError
+    f = Path(f)
+    try: save_file(tensors, str(f), metadata=metadata)
+    except (OSError, SafetensorError) as e:
+        free = shutil.disk_usage(next(p for p in (f.parent, *f.parents) if p.exists())).free
+        raise WeightsWriteError(f"{f} could not be written ({type(e).__name__}: {e}); {describe_size(free)} free on "
+                                "its disk: free space there, or write elsewhere") from None
+    umask = os.umask(0o22); os.umask(umask)      # read the umask: a new file's mode is 0666 less it
+    os.chmod(f, 0o666 & ~umask)
+    return f
 
 # %% ../nbs/03_checkpoint.ipynb
 def _open_safetensors(f: Path):
@@ -265,6 +278,9 @@ def load_hf(path, *, dtype=jnp.float32, mesh=None, remat: str = "none", compute_
 # %% ../nbs/03_checkpoint.ipynb
 class CheckpointError(RuntimeError):
     "A checkpoint that cannot be written, or no step that can be restored; the message says which and what is intact."
+
+class WeightsWriteError(CheckpointError, OSError):
+    "A weights file that could not be written (a `CheckpointError`, exit 5, and an `OSError` for callers that catch those)."
 
 # %% ../nbs/03_checkpoint.ipynb
 def save_limit_gb(*trees) -> int:

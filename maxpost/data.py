@@ -17,8 +17,9 @@ from .config import ConfigError
 # %% auto 0
 __all__ = ['END_OF_TURN_TOKENS', 'FORMATS', 'DATA_FORMATS', 'TRAIN_ON', 'CHAT_ROLES', 'load_tokenizer', 'warn_missing_template',
            'detect_format', 'dataset_splits', 'load_dataset_split', 'same_rows', 'assistant_spans', 'encode_chat',
-           'show_mask', 'encode_example', 'Examples', 'tokenize_dataset', 'check_examples', 'pack_best_fit',
-           'make_rows', 'padding_fraction', 'BatchIterator', 'make_sft_iterator', 'encode_prompt', 'PromptIterator']
+           'show_mask', 'check_no_nulls', 'encode_example', 'Examples', 'tokenize_dataset', 'check_examples',
+           'pack_best_fit', 'make_rows', 'padding_fraction', 'BatchIterator', 'make_sft_iterator', 'encode_prompt',
+           'PromptIterator']
 
 # %% ../nbs/04_data.ipynb
 _VOCAB_FILES = ("tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "tokenizer.tiktoken")  # slow tokenizers'
@@ -353,6 +354,14 @@ def _check_messages(msgs, what: str) -> list[dict]:
         raise ValueError(f"{what}[{nulls[0]}] ({msgs[nulls[0]]['role']}) has null content: give it text (\"\" for an "
                          "empty turn) or drop the message")
     return list(msgs)
+
+def check_no_nulls(rows, columns: Sequence[str], what: str) -> None:
+    "ConfigError naming the first row whose value in one of `columns` is null, before any step (`str` would make it the text 'None')."
+    for c in columns:
+        values = rows[c] if hasattr(rows, "column_names") else [r.get(c) for r in rows]
+        if nulls := [i for i, v in enumerate(values) if v is None]:
+            raise ConfigError(f"{what}: row {nulls[0]} has a null {c!r} ({len(nulls)} of {len(values)} rows do); "
+                              f"give every row a {c}, or drop the rows without one")
 
 def _with_eos(tokenizer, ids: list[int]) -> list[int]:
     eos = tokenizer.eos_token_id

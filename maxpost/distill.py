@@ -162,6 +162,9 @@ def _dataset_completions_needed(cfg: DistillConfig) -> bool:
 def distill_examples(cfg: DistillConfig, split: str) -> list[dict]:
     "`{question, completion}` rows of `split`: the completion column, else the answer written as the embedded task's reply (`<reasoning>...</reasoning><answer>N</answer>`); None when the rows have neither and no step trains on dataset completions (a task of prompts and answers only, such as reasoning-gym's, on-policy)."
     rows, out = _raw_rows(cfg, split), []
+    from maxpost.data import check_no_nulls
+    check_no_nulls(rows, [c for c in (cfg.question_column, cfg.completion_column) if c in rows.column_names],
+                   f"dataset {cfg.dataset_name or 'embedded task'!r} (split {split!r})")
     for r in rows:
         if cfg.completion_column in r: c = str(r[cfg.completion_column])
         elif "####" in str(r.get(cfg.answer_column, "")): c = tasks.format_completion(str(r[cfg.answer_column]))

@@ -439,7 +439,7 @@ def environment_factory(name: str) -> Callable[[], Environment]:
     try: factory = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"environment={name!r} cannot be loaded ({describe(e)}); is {module} importable from here "
-                          "(PYTHONPATH) and does it define {attr}?") from None
+                          f"(PYTHONPATH) and does it define {attr}?") from None
     if not callable(factory): raise ConfigError(f"environment={name!r} is a {type(factory).__name__}, not a factory to call")
     return factory
 

@@ -60,6 +60,8 @@ def load_examples(cfg: QAConfig, split: str, *, source: str | None = None, num_p
                           f"columns found: {names}. Set question_column= / answer_column=")
     rows = rows.select(range(min(num_prompts, len(rows)))) if hasattr(rows, "select") and num_prompts else \
            rows[:num_prompts] if num_prompts else rows
+    from maxpost.data import check_no_nulls
+    check_no_nulls(rows, (qcol, acol), f"dataset {source or 'embedded task'!r} (split {split!r})")
     if check_gold: check_gold_answers([row[acol] for row in rows], column=acol)
     return [{**row, "question": str(row[qcol]), "answer": gsm8k_gold(str(row[acol]))} for row in rows]
 
@@ -147,7 +149,7 @@ def evaluate(model, tokenizer, examples: Sequence[dict], *, k: int = 8, template
     n = out.pop("num_prompts")
     out |= {"mean_completion_length": float(np.mean(lengths)), "truncation_rate": 1.0 - float(np.mean(stopped)),
             "num_prompts": n, "truncated_prompts": sum(len(p) > max_prompt_length for p in prompts),
-            "temperature": float(temperature)}
+            "temperature": float(temperature) if k else 0.0}   # what the evaluation sampled at: 0, greedy only, when k = 0
     if return_completions:
         out["completions"] = [
             {"question": q, "answer": a, "completion": t, "extracted": extract_answer(t), "correct": _correct(t, a),
@@ -215,7 +217,7 @@ def evaluate_episodes(model, tokenizer, examples: Sequence[dict], factory, *, k:
                         temperature=temperature, top_k=top_k, top_p=top_p, **kw)
         flat = [t for e in sampled for t in e.text]
         samples = [flat[i * k:(i + 1) * k] for i in range(n)]
-    out = score_samples(texts, samples, golds, k, template) | _episode_stats(greedy) | {"temperature": float(temperature)}
+    out = score_samples(texts, samples, golds, k, template) | _episode_stats(greedy) | {"temperature": float(temperature) if k else 0.0}
     if return_completions:
         msgs = [m for e in greedy for m in e.messages]
         out["completions"] = [{"question": x["question"], "answer": a, "completion": t, "extracted": extract_answer(t),

@@ -156,13 +156,13 @@ def gguf_tokenizer(meta: dict):
 # %% ../nbs/03e_gguf.ipynb
 def _write_weights(tensors, out: Path, dtype: str = "float32", shard_gb: float = 4.0) -> None:
     "Write (name, array) pairs as safetensors files of at most `shard_gb` each, one file at a time, indexed when there are several."
-    from safetensors.numpy import save_file
+    from maxpost.checkpoint import write_safetensors
     import ml_dtypes
     cast = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype]
     done, cur, size, total = [], {}, 0, 0
     def flush():
         f = out / f".shard-{len(done)}.safetensors"
-        save_file(cur, str(f), metadata={"format": "pt"}); done.append((f, list(cur)))
+        write_safetensors(cur, f, metadata={"format": "pt"}); done.append((f, list(cur)))
     for name, w in tensors:
         w = np.ascontiguousarray(w.astype(cast))
         if cur and size + w.nbytes > shard_gb * 2**30: flush(); cur, size = {}, 0

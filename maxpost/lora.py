@@ -155,10 +155,11 @@ def save_adapter(model: Decoder, path, base_model_name_or_path: str = "", source
         tensors[_peft_name(i, n, "A")] = np.ascontiguousarray(sharding.host_array(lora.a[...]).reshape(-1, r).T)
         tensors[_peft_name(i, n, "B")] = np.ascontiguousarray(sharding.host_array(lora.b[...]).reshape(r, -1).T)
     if jax.process_index() == 0:
+        from maxpost.checkpoint import write_safetensors      # the mode of any file; a full disk in one line
         path.mkdir(parents=True, exist_ok=True)
         (path / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
         (path / "README.md").write_text(adapter_readme(cfg, base_model_name_or_path, source))
-        save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(tensors, path / "adapter_model.safetensors", metadata={"format": "pt"})
     return path
 
 # %% ../nbs/03c_lora.ipynb
@@ -171,6 +172,10 @@ def read_adapter_config(path) -> dict:
     p = Path(path) / "adapter_config.json"
     if not p.exists(): raise FileNotFoundError(f"{p} does not exist: load_adapter_path must be a peft adapter directory")
     cfg = json.loads(p.read_text())
+    r = cfg.get("r") if isinstance(cfg, dict) else None
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:   # e.g. an empty {}: say so before the targets' check
+        raise ValueError(f"{p} gives no LoRA rank 'r' (a positive integer): give the adapter directory peft or maxpost "
+                         "wrote (its config names r, lora_alpha, target_modules)")
     if cfg.get("peft_type", "LORA") != "LORA": raise ValueError(f"{path} holds a {cfg['peft_type']} adapter, not LoRA")
     for k, ok in _UNSUPPORTED.items():
         if cfg.get(k, ok[0]) not in ok: raise ValueError(f"{path}: {k}={cfg[k]!r} is not supported by maxpost's LoRA")

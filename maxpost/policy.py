@@ -221,14 +221,16 @@ def check_inputs(cfg: RunConfig) -> RunConfig:
 
 
 # %% ../nbs/07b_policy.ipynb
-def start_line(cfg: RunConfig, model: nnx.Module) -> str:
-    "One line on where a command starts: the checkpoint and its size on disk (or a random preset), the parameters, and the run directory."
-    n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    path = os.path.expanduser(cfg.load_parameters_path)
-    src = (f"checkpoint {path} ({describe_size(checkpoint_size(path))} on disk)" if path else
-           f"random {cfg.model_name!r} weights (seed {cfg.seed})")
+def start_line(cfg: RunConfig, model: nnx.Module, others: dict | None = None) -> str:
+    "One line on where a command starts: the checkpoint and its size on disk (or a random preset), the parameters, each of `others` (name -> (checkpoint path, model), e.g. distillation's teacher) alike, and the run directory."
+    def what(path, m):
+        n, path = sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param))), os.path.expanduser(path)
+        src = (f"checkpoint {path} ({describe_size(checkpoint_size(path))} on disk)" if path else
+               f"random {cfg.model_name!r} weights (seed {cfg.seed})")
+        return f"{src}, {n / 1e6:.2f} M parameters"
+    more = "".join(f"; {name}: {what(path, m)}" for name, (path, m) in (others or {}).items())
     out = f"; run directory {run_dir(cfg)}" if cfg.run_name else ""
-    return f"start: {src}, {n / 1e6:.2f} M parameters{out}"
+    return f"start: {what(cfg.load_parameters_path, model)}{more}{out}"
 
 # %% ../nbs/07b_policy.ipynb
 @dataclasses.dataclass
@@ -267,7 +269,8 @@ def setup_run(cfg: RunConfig, *, devices=None, models: dict[str, str] | None = N
         loaded[name] = load_policy(dataclasses.replace(cfg, load_parameters_path=path, model_overrides={}), mesh)
     for m in loaded.values(): check_vocab(tokenizer, m.cfg)
     if announce and jax.process_index() == 0:
-        print(start_line(cfg, loaded["policy"]), file=sys.stderr, flush=True)
+        others = {name: (path, loaded[name]) for name, path in (models or {}).items()}   # the teacher too
+        print(start_line(cfg, loaded["policy"], others), file=sys.stderr, flush=True)
     return Setup(mesh, tokenizer, tok_dir, loaded)
 
 # %% ../nbs/07b_policy.ipynb

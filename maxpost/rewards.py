@@ -7,7 +7,7 @@ __all__ = ['FORMAT_REWARDS', 'BUILTIN_REWARDS', 'REWARD_ISOLATION', 'parse_numbe
            'extract_answer', 'answers_match', 'gold_answer', 'check_gold_answers', 'correctness_reward',
            'format_reward', 'plain_format_reward', 'boxed_format_reward', 'marked_format_reward', 'format_reward_for',
            'resolve_reward_fn', 'RewardSpec', 'as_reward_specs', 'start_reward_workers', 'close_reward_workers',
-           'compute_rewards', 'score_answer_reward']
+           'check_reward_columns', 'compute_rewards', 'score_answer_reward']
 
 # %% ../nbs/13_rewards.ipynb
 import importlib, inspect, json, logging, math, os, pickle, queue, re, signal, socket, subprocess, sys, threading, time, weakref
@@ -429,6 +429,20 @@ def _columns_for(fn: Callable, columns: dict) -> dict:
     if any(p.kind is p.VAR_KEYWORD for p in params): return columns
     names = {p.name for p in params}
     return {k: v for k, v in columns.items() if k in names}
+
+_COLUMN_HINTS = {"rg_entry": " (reasoning-gym tasks have it: dataset_name=reasoning_gym:<task>)"}
+
+def check_reward_columns(rewards, columns, where: str) -> None:
+    "ConfigError, before any step, for a reward function whose column (a parameter after prompts and completions, without a default) the data lacks: every call of it would fail."
+    for spec in as_reward_specs(rewards):
+        try: params = list(inspect.signature(spec.fn).parameters.values())[2:]
+        except (TypeError, ValueError): continue
+        need = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if missing := [c for c in need if c not in columns]:
+            c = missing[0]
+            raise ConfigError(f"reward {spec.name!r} needs the column {c!r}, which {where} lacks (its columns: "
+                              f"{sorted(columns)}); give data with a {c!r} column{_COLUMN_HINTS.get(c, '')}, or "
+                              f"leave {spec.name} out of reward_functions")
 
 def _run_one(spec, prompts, completions, columns, timeout_s, isolation) -> tuple[np.ndarray, str]:
     "Scores of one reward function (NaN where it failed) and how it ended: 'ok', 'error' or 'timeout'."

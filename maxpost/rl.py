@@ -102,6 +102,9 @@ class RLConfig(EpisodeConfig, TrainConfig, GenerationConfig):
         help="a reward call past it scores 0 (its worker process is restarted)")
     reward_isolation: str = key("process", choices=REWARD_ISOLATION,
         help="process: a worker process per function (a timeout stops it); thread: in this process")
+    max_failed_steps: int = key(3, non_negative=True,
+        help="stop (exit 2, with the first error) after this many steps in a row in which every item failed: every "
+             "episode erred, or a reward function failed on every item; 0 = never stop")
     rollout_engine: str = key("maxpost", choices=ROLLOUT_ENGINES,
         help="the sampler of the rollouts: maxpost's own, or vLLM")
     importance_sampling_mode: Optional[str] = key(None, choices=IMPORTANCE_SAMPLING_MODES,
@@ -306,6 +309,8 @@ class RLTrainer(Trainer):
         self.environment = environment_factory(cfg.environment) if cfg.environment else None   # episodes: one per call
         with self.clock("data"):
             self.prompts = PromptIterator(load_examples(cfg, cfg.train_split, check_gold=correctness), seed=cfg.seed)
+            from maxpost.rewards import check_reward_columns    # every call of a reward lacking its column would fail
+            check_reward_columns(self.rewards, self.prompts.examples[0], f"dataset {cfg.dataset_name or 'embedded task'!r}")
             self.eval_examples = load_eval_examples(cfg)
         self.build_steps()
         self.engine = engine if engine is not None else make_engine(cfg, self.model, self.tokenizer)
@@ -361,6 +366,7 @@ class RLTrainer(Trainer):
 
     def _update(self, ro: dict) -> dict:
         cfg, batch, info = self.cfg, dict(ro["batch"]), dict(ro["info"])
+        self.stop_if_failing(ro)     # a step in which every item failed: after max_failed_steps of them, one line
         t0, dev = time.perf_counter(), sharding.shard_batch(batch, self.mesh)
         correct = self.correction["mode"] != "none"
         if self.updates_per_step > 1 or correct:   # the policy moves before the last update, or the sampler is not it
@@ -435,9 +441,31 @@ def _episode_rollout(self: RLTrainer, examples: list[dict], index: int, engine, 
             "rewards/environment/mean": float(ep.rewards.mean()), "timing/rollout": t_roll,
             "truncated_prompts": ep.num_truncated_prompts, "num_tokens": int(ep.prompt_mask.sum() + batch["completion_mask"].sum())}
     return dict(batch=batch, sampler_logps=ep.per_token_logps, info=info, text=ep.text, examples=examples,
-                data_state=data_state, messages=ep.messages)
+                data_state=data_state, messages=ep.messages, env_errors=ep.env_errors)
 
 RLTrainer.episode_rollout = _episode_rollout
+
+# %% ../nbs/15_rl.ipynb
+import logging
+_LAST_WARNING = {}   # logger name -> the last warning it gave (a reward's error: its logger, not its return, says why)
+for _name in ("maxpost.rewards", "maxpost.environments"):
+    logging.getLogger(_name).addFilter(lambda r: _LAST_WARNING.__setitem__(r.name, r.getMessage()) or True)
+
+def _stop_if_failing(self: RLTrainer, ro: dict) -> None:
+    "ConfigError (exit 2) at the `max_failed_steps`-th step in a row in which every item failed (every episode erred, or a reward function failed on every item), with the first such step's error."
+    info, n = ro["info"], len(ro["text"])
+    errs = [e for e in ro.get("env_errors") or [] if e is not None]
+    bad = [s.name for s in self.rewards if info.get(f"rewards/{s.name}/failures", 0) >= n > 0]
+    if not bad and not (n and len(errs) == n): self.failing = []; return
+    first = (f"every episode ended with an environment error: {errs[0]}" if errs and len(errs) == n else
+             f"reward {bad[0]!r} failed on every item ({_LAST_WARNING.get('maxpost.rewards', 'its warning above says why')})")
+    self.failing = [*getattr(self, "failing", []), (self.step + 1, first)]
+    if self.cfg.max_failed_steps and len(self.failing) >= self.cfg.max_failed_steps:
+        (s0, why), s1 = self.failing[0], self.failing[-1][0]
+        raise ConfigError(f"steps {s0}-{s1}: every item of each step failed, nothing trained; the first: {why}; fix it "
+                          "(run a reward or the environment on one example), or set max_failed_steps=0 to go on")
+
+RLTrainer.stop_if_failing = _stop_if_failing
 
 # %% ../nbs/15_rl.ipynb
 def train_rl(cfg: RLConfig, *, progress: bool = True, reward_fns=None) -> dict:

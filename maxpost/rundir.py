@@ -124,8 +124,8 @@ class MetricsLogger:
         return rec
 
     def advance(self, n: int = 1):
+        if self.mode == "bar": self._bar().update(n)   # made at `self.step`, before the steps it counts
         self.step += n
-        if self.mode == "bar": self._bar().update(n)
 
     def close(self):
         if self.bar is not None: self.bar.close()

@@ -113,10 +113,13 @@ class SFTTrainer(Trainer):
     def __init__(self, cfg: SFTConfig, setup: Setup, *, progress: bool = True):
         super().__init__(cfg, setup)
         _check_batch(cfg, self.mesh)
+        from maxpost.train import finished_before
+        finished = finished_before(cfg)     # a finished run says only that (`Trainer.fit`), not its data again
         self.build_steps()        # the step compiles on a thread while the data below loads (`compile_step_ahead`)
-        rows = np.zeros((cfg.global_batch_size // jax.process_count(), cfg.max_target_length), np.int32)
-        compile_step_ahead(self, "step_fn", self.params, self.rest, self.opt_state,
-                           sharding.shard_batch({k: rows for k in ("tokens", "segment_ids", "positions", "loss_mask")}, self.mesh))
+        if not finished:
+            rows = np.zeros((cfg.global_batch_size // jax.process_count(), cfg.max_target_length), np.int32)
+            compile_step_ahead(self, "step_fn", self.params, self.rest, self.opt_state,
+                               sharding.shard_batch({k: rows for k in ("tokens", "segment_ids", "positions", "loss_mask")}, self.mesh))
         with self.clock("data"):
             check_held_out(cfg)
             self.train_it = sft_data(cfg, self.tokenizer, cfg.train_split, shuffle=True)
@@ -125,7 +128,7 @@ class SFTTrainer(Trainer):
             for what, it in (("train split", self.train_it), ("eval split", self.eval_it)):
                 line = check_examples(it.examples, max_target_length=cfg.max_target_length,
                                       max_dropped_share=cfg.max_dropped_share, what=what)
-                if progress and jax.process_index() == 0: print(line, file=sys.stderr)
+                if progress and jax.process_index() == 0 and not finished: print(line, file=sys.stderr)
         self.batches = Prefetcher(self.train_it, self._prepare)   # the next batches, on the devices, made while a step runs
         self.flops_per_token = flops_per_token(self.model_cfg, cfg.max_target_length)
 

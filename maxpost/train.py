@@ -25,7 +25,7 @@ from .optimizer import make_optimizer, make_schedule, init_opt_state
 
 # %% auto 0
 __all__ = ['check_finite', 'config_changes', 'check_resume', 'precheck_run_dir', 'RunCheckpoints', 'StopSignal', 'RunStopped',
-           'StepCompiler', 'compile_ahead', 'Trainer', 'compile_step_ahead', 'Prefetcher']
+           'StepCompiler', 'compile_ahead', 'Trainer', 'compile_step_ahead', 'finished_before', 'Prefetcher']
 
 # %% ../nbs/08_train.ipynb
 def check_finite(step: int, loss: float, params_finite, latest_checkpoint: int | None, where) -> None:
@@ -309,6 +309,12 @@ def _resume(tr: Trainer, ckpts: RunCheckpoints) -> None:
         print(f"resuming from step {tr.step} of {tr.cfg.steps} ({ckpts.dir / 'checkpoints' / str(tr.step)})",
               file=sys.stderr, flush=True)
 
+def finished_before(cfg: RunConfig) -> bool:
+    "Whether the run's newest checkpoint already reached `steps` (read from its directory names, before anything loads): a kind then prints no data preparation before `_finished`'s line."
+    d = run_dir(cfg) / "checkpoints"
+    steps = [int(p.name) for p in d.iterdir() if p.name.isdigit()] if d.is_dir() else []
+    return bool(steps) and max(steps) >= cfg.steps
+
 def _finished(tr: Trainer) -> dict:
     "What a run that already reached `steps` reports when it is started again: its last records, nothing redone."
     d = run_dir(tr.cfg)
@@ -365,6 +371,7 @@ def _fit(tr: Trainer, progress: bool) -> dict:
                     rec = {k: as_scalar(v) for k, v in jax.device_get(m).items()}
                     rec |= _throughput(tr, t.tokens, t.window_seconds(), t.steps) | t.take()
                     with clock("log"): last = log.log(tr.step, rec)
+                log.advance()     # the bar on a terminal (lines to a file come from `log.log`)
                 t.after_first()
                 if cfg.eval_interval and tr.step % cfg.eval_interval == 0 and tr.step < cfg.steps:
                     check()

@@ -371,3 +371,273 @@ def test_help_shows_the_values_the_bare_command_runs(kind):
                                       "run_name")} == {"steps": "500", "learning_rate": "0.003", "global_batch_size": "32",
                                                        "warmup_steps": "20", "max_target_length": "192",
                                                        "run_name": "embedded-sft"}, shown
+
+
+# --- the progress bar on a terminal (issue 49 phase 2) ----------------------------------------------------------------
+
+def run_on_a_terminal(args, timeout=600) -> tuple[int, str]:
+    "Run `maxpost ARGS` with stdin, stdout and stderr on a pseudo-terminal of 120 columns (as a person's shell runs it): its exit code and all it wrote."
+    import fcntl, pty, select, struct, termios, time
+    code = "import sys\nfrom maxpost.cli import main\nsys.exit(main(sys.argv[1:]))"
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    p = subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdin=slave, stdout=slave, stderr=slave,
+                         cwd=ROOT, env=ENV, start_new_session=True)
+    os.close(slave)
+    out, end = b"", time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not select.select([master], [], [], 1)[0]: continue
+        try: chunk = os.read(master, 65536)
+        except OSError: break        # the child closed the terminal (Linux raises EIO)
+        if not chunk: break
+        out += chunk
+    os.close(master)
+    return p.wait(timeout=60), out.decode(errors="replace")
+
+
+def test_a_terminal_sees_the_progress_bar_advance_and_a_file_gets_plain_lines(tmp_path):
+    """After the `memory:` line a terminal printed nothing until the run ended (`MetricsLogger.advance`, which draws the
+    bar, was called nowhere): now the bar shows several step counts as the run goes; with stdout and stderr a file (a
+    pipe here), the plain step lines come as before and no bar's carriage returns."""
+    import re
+    steps = 40
+    args = ["sft", f"base_output_directory={tmp_path}", "train_split=train[:64]", "eval_split=test[:8]",
+            "global_batch_size=4", "max_target_length=160", "eval_batches=1", "eval_num_prompts=0",
+            "model_overrides={num_layers: 1}", f"steps={steps}", "checkpoint_period=1000", "log_period=5"]
+    code, out = run_on_a_terminal([*args, "run_name=tty"])
+    assert code == 0, out[-3000:]
+    counts = {int(n) for n in re.findall(rf"\| *(\d+)/{steps} \[", out)}        # tqdm's "| 12/40 [00:01<..."
+    assert len(counts - {0, steps}) >= 2 and max(counts) == steps, (sorted(counts), out[-3000:])
+    assert not re.search(r"\d+it \[", out), out[-3000:]                           # never past its total
+    assert f"step 5/{steps} train" not in out                                     # the bar, not the plain lines
+    piped = cli(*args, "run_name=file")
+    assert piped.returncode == 0, piped.stderr[-3000:]
+    plain = re.findall(rf"step (\d+)/{steps} train", piped.stderr)
+    assert [int(n) for n in plain] == list(range(5, steps + 1, 5)) and "\r" not in piped.stderr, piped.stderr[-3000:]
+
+
+# --- every row checked before the first step: null questions and answers ----------------------------------------------
+
+def qa_file(path, n=300, null_question=(), null_answer=()):
+    rows = [{"question": None if i in null_question else f"What is {i} + 1?",
+             "answer": None if i in null_answer else f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+RL_SMALL = ["load_parameters_path=", "model_overrides={num_layers: 1}", "steps=1", "eval_num_prompts=0",
+            "global_batch_size=4", "num_generations=2", "mini_batch_size=0", "eval_split=train[:4]",
+            "eval_on_train=true"]
+
+
+def test_rl_data_with_a_null_question_deep_in_the_file_is_one_line(tmp_path):
+    """A null `question` in row 250 of 300 became the prompt text 'None': one line naming the row, the column and the
+    fix, exit 2, before the first step."""
+    from maxpost.tasks import build_tokenizer
+    build_tokenizer(tmp_path / "tok")
+    data = qa_file(tmp_path / "qa.jsonl", null_question={250})
+    line = one_line_error(cli("rl", f"base_output_directory={tmp_path}", f"dataset_name={data}",
+                              f"tokenizer_path={tmp_path / 'tok'}", *RL_SMALL))
+    assert "row 250 has a null 'question' (1 of 300 rows do)" in line and "give every row a question" in line, line
+    assert not list(tmp_path.rglob("checkpoints/*")), list(tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("column", ["question", "answer"])
+def test_every_row_null_is_refused_for_rl_eval_and_distill(tmp_path, column):
+    "Every row's answer (or question) null: the examples RL and evaluation read, and distillation's, are refused alike."
+    from maxpost.config import ConfigError, load_config
+    from maxpost.distill import distill_examples
+    from maxpost.evaluate import load_examples
+    n = 20
+    data = qa_file(tmp_path / "qa.jsonl", n=n, **{f"null_{column}": set(range(n))})
+    cfg = load_config("rl", [f"base_output_directory={tmp_path}", f"dataset_name={data}"])
+    for check_gold in (True, False):
+        with pytest.raises(ConfigError, match=f"row 0 has a null '{column}' \\({n} of {n} rows do\\)"):
+            load_examples(cfg, "train", check_gold=check_gold)
+    if column == "question":
+        dcfg = load_config("distill", [f"base_output_directory={tmp_path}", f"dataset_name={data}"])
+        with pytest.raises(ConfigError, match=f"row 0 has a null 'question' \\({n} of {n} rows do\\)"):
+            distill_examples(dcfg, "train")
+
+
+# --- a reward whose column the data lacks --------------------------------------------------------------------------
+
+def test_score_answer_reward_without_reasoning_gym_entries_is_one_line(tmp_path):
+    """`score_answer_reward` on the embedded task (no `rg_entry` column), with one weight: every call failed, loss 0,
+    exit 0. Now one line before the first step naming the reward, the column and where it comes from."""
+    r = cli("rl", f"base_output_directory={tmp_path}", *RL_SMALL, "reward_functions=[maxpost.rewards:score_answer_reward]",
+            "reward_weights=[1.0]")
+    line = one_line_error(r)
+    assert "reward 'score_answer_reward' needs the column 'rg_entry', which dataset 'embedded task' lacks" in line, line
+    assert "dataset_name=reasoning_gym:<task>" in line and "leave score_answer_reward out of reward_functions" in line
+    assert not list(tmp_path.rglob("metrics.jsonl"))
+
+
+def test_a_reward_column_check_reads_the_signature():
+    "Each reward's parameters after prompts and completions without a default are the columns it needs; **columns is none."
+    from maxpost.config import ConfigError
+    from maxpost.rewards import check_reward_columns, correctness_reward, format_reward
+    def needs_both(prompts, completions, answer, level, hint=None, **columns): return [0.0] * len(completions)
+    check_reward_columns([format_reward, correctness_reward], {"answer": []}, "data")
+    check_reward_columns([needs_both], {"answer": [], "level": []}, "data")
+    with pytest.raises(ConfigError, match="reward 'needs_both' needs the column 'level', which data lacks"):
+        check_reward_columns([needs_both], {"answer": []}, "data")
+    with pytest.raises(ConfigError, match="needs the column 'answer'"):
+        check_reward_columns([correctness_reward], {"question": []}, "data")
+
+
+# --- a run in which every item of a step fails stops ----------------------------------------------------------------
+
+def always_fails(prompts, completions, **columns): raise KeyError("rg_entry")
+
+
+@pytest.mark.parametrize("failing", ["environment", "reward"])
+def test_a_run_whose_every_item_fails_stops_after_max_failed_steps(tmp_path, capsys, failing):
+    """Every episode erring (an environment factory that raises) or a reward function failing on every item: the run
+    trained nothing and exited 0. Now the max_failed_steps-th such step in a row (3 by default) stops it, exit 2, with
+    the first error in one line; max_failed_steps=0 goes on as before."""
+    from maxpost.config import ConfigError, load_config
+    from maxpost.commands import start_trainer
+    from maxpost.rl import RLTrainer
+    from maxpost.rundir import read_metrics
+    from test_agentic import SMALL, _Replay
+    extra = ["environment=test_agentic:factory_raises"] if failing == "environment" else ["environment=test_agentic:_Echo",
+                                                                                      "reward_isolation=thread"]
+    fns = None if failing == "environment" else [always_fails]
+    cfg = load_config("rl", [f"base_output_directory={tmp_path}", "run_name=c", "steps=5", "eval_num_prompts=2",
+                             *SMALL, *extra])
+    assert cfg.max_failed_steps == 3
+    with pytest.raises(ConfigError) as e:
+        start_trainer(RLTrainer, cfg, engine=_Replay(), reward_fns=fns).fit(progress=False)
+    msg = str(e.value)
+    assert msg.startswith("steps 1-3: every item of each step failed") and "\n" not in msg, msg
+    assert ("every episode ended with an environment error" in msg and "no environment left" in msg if failing ==
+            "environment" else "reward 'always_fails' failed on every item" in msg and "KeyError" in msg), msg
+    assert [m["step"] for m in read_metrics(tmp_path / "c", "train")] == [1, 2]     # the third step is not logged
+    cfg = load_config("rl", [f"base_output_directory={tmp_path}", "run_name=d", "steps=4", "eval_num_prompts=2",
+                             "max_failed_steps=0", *SMALL, *extra])
+    assert start_trainer(RLTrainer, cfg, engine=_Replay(), reward_fns=fns).fit(progress=False)["step"] == 4
+
+
+# --- an empty adapter_config.json names the missing rank -----------------------------------------------------------
+
+@pytest.mark.parametrize("targets", [[], ["lora_target_modules=q_proj,v_proj"]])
+def test_an_empty_adapter_config_names_the_missing_rank(tmp_path, targets):
+    """`{}` as load_adapter_path's adapter_config.json blamed lora_target_modules (and again when that key was given):
+    now one line naming the missing rank 'r', as `maxpost convert --adapter` says of the same directory."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    line = one_line_error(cli("sft", f"base_output_directory={tmp_path}", "model_overrides={num_layers: 1}", "steps=1",
+                              "lora_rank=4", f"load_adapter_path={adapter}", *targets))
+    assert "gives no LoRA rank 'r' (a positive integer)" in line and "lora_target_modules" not in line, line
+
+
+# --- an f-string missing its f --------------------------------------------------------------------------------------
+
+def test_an_unknown_environment_module_names_the_factory_not_a_placeholder(tmp_path):
+    "`environment=no_such_mod:f` ended in a literal `{attr}`: the line names the module and the factory."
+    from maxpost.config import ConfigError
+    from maxpost.environments import environment_factory
+    with pytest.raises(ConfigError) as e: environment_factory("no_such_mod:f")
+    assert str(e.value).endswith("is no_such_mod importable from here (PYTHONPATH) and does it define f?"), str(e.value)
+
+
+def test_no_message_holds_a_placeholder_of_a_continued_f_string():
+    """The general form: in every module, an f-string continued by a plain literal on the next line keeps `{name}`
+    as text. Every literal part of an f-string is scanned for a `{name}` (only prompts.py's `{question}`, which a
+    prompt template holds on purpose, is meant)."""
+    import ast, re
+    meant = {("prompts.py", "{question}")}
+    found = []
+    for p in sorted((ROOT / "maxpost").glob("*.py")):
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.JoinedStr):
+                for v in n.values:
+                    if isinstance(v, ast.Constant) and isinstance(v.value, str):
+                        found += [(p.name, m, n.lineno) for m in re.findall(r"\{[A-Za-z_][\w.]*(?:\[[^\]]*\])?(?:![rsa])?(?::[^}]*)?\}", v.value)
+                                  if (p.name, m) not in meant]
+    assert not found, found
+
+
+# --- weights written: a full disk in one line, the mode of any file ---------------------------------------------------
+
+def current_umask() -> int:
+    m = os.umask(0o22); os.umask(m); return m
+
+
+def test_weights_files_get_the_mode_of_any_new_file(tmp_path):
+    "Converted and exported `model.safetensors` files were 0600 (safetensors' own mode): now 0666 less the umask."
+    from maxpost.checkpoint import save_hf
+    from maxpost.model import create_model, get_model_config
+    save_hf(create_model(get_model_config("tiny", num_layers=1), seed=1), tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~current_umask()
+    r = cli("convert", tmp_path / "hf", tmp_path / "again", "--to", "hf")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "again" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~current_umask()
+
+
+def test_a_full_disk_while_writing_weights_is_one_line_with_the_free_space(tmp_path, capsys, monkeypatch):
+    """A full disk during `maxpost convert` or `save_hf` is safetensors' SafetensorError, not an OSError: a traceback.
+    Now one line naming the file and the free space on its disk (the writer is made to fail as a full disk does)."""
+    from safetensors import SafetensorError
+    from maxpost import checkpoint
+    from maxpost.model import create_model, get_model_config
+    model = create_model(get_model_config("tiny", num_layers=1), seed=1)
+    checkpoint.save_hf(model, tmp_path / "hf")
+    def full(*a, **k): raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                                             'message: "No space left on device" })')
+    monkeypatch.setattr(checkpoint, "save_file", full)
+    with pytest.raises(checkpoint.CheckpointError) as e: checkpoint.save_hf(model, tmp_path / "out")
+    import re
+    assert str(tmp_path / "out" / "model.safetensors") in str(e.value) and "No space left on device" in str(e.value)
+    assert re.search(r"\d+\.\d\d? [MG]iB free on its disk", str(e.value)), str(e.value)
+    code, err = run_cli(capsys, "convert", tmp_path / "hf", tmp_path / "conv", "--to", "hf")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert "model.safetensors could not be written (SafetensorError" in lines[0] and "free on its disk" in lines[0]
+    assert str(tmp_path / "conv") in lines[0] and not (tmp_path / "conv").exists(), lines[0]
+
+
+# --- item 6's leftovers: what a rerun, distill's start line and the summary say ----------------------------------------
+
+def test_a_rerun_of_a_finished_sft_says_only_that_it_is_finished(tmp_path):
+    "A rerun of a finished SFT printed its data preparation (the splits' lines) before 'already finished': now that line comes right after the start line."
+    tiny = ["sft", f"base_output_directory={tmp_path}", "run_name=r", "train_split=train[:32]", "eval_split=test[:8]",
+            "global_batch_size=8", "max_target_length=160", "eval_batches=1", "eval_num_prompts=0",
+            "model_overrides={num_layers: 1}", "steps=1"]
+    first = cli(*tiny)
+    assert first.returncode == 0 and "train split: 32 examples" in first.stderr, first.stderr[-2000:]
+    again = cli(*tiny)
+    lines = [l for l in again.stderr.splitlines() if l.strip()]
+    assert again.returncode == 0 and lines[0].startswith("start: "), again.stderr[-2000:]
+    assert "is already finished (step 1 of 1)" in lines[1] and len(lines) == 2, again.stderr[-2000:]
+
+
+def test_distills_start_line_names_the_teacher_too(tmp_path, capsys):
+    "`maxpost distill`'s start line named the student only: now the teacher too, its checkpoint, size on disk and parameters."
+    from maxpost.checkpoint import checkpoint_size, describe_size
+    teacher = hf_with_tokenizer(tmp_path / "teacher")
+    code, err = run_cli(capsys, "distill", f"base_output_directory={tmp_path}", f"teacher_path={teacher}", *DISTILL_SMALL)
+    assert code == 0, err[-3000:]
+    line = next(l for l in err.splitlines() if l.startswith("start: "))
+    assert f"; teacher: checkpoint {teacher} ({describe_size(checkpoint_size(teacher))} on disk), " in line, line
+    assert line.count(" M parameters") == 2, line
+
+
+def test_a_greedy_only_evaluation_reports_temperature_0():
+    """With k = 0 the evaluation samples greedily only, yet reported (and the summary table printed) temperature 1.000
+    beside its greedy pass@1: it reports the temperature it used, 0; with k > 0 the sampling temperature."""
+    from maxpost.evaluate import evaluate, format_table
+    from maxpost.model import create_model, get_model_config
+    from maxpost.tasks import build_tokenizer
+    model, tok = create_model(get_model_config("tiny", num_layers=1), seed=1), build_tokenizer()
+    examples = [{"question": "What is 1 + 1?", "answer": "2"}, {"question": "What is 2 + 2?", "answer": "4"}]
+    kw = dict(max_prompt_length=64, max_completion_length=4, temperature=0.7)
+    greedy = evaluate(model, tok, examples, k=0, **kw)
+    assert greedy["temperature"] == 0.0
+    import re
+    lines = format_table({"run": greedy}).splitlines()
+    header, row = lines[0].split(), re.split(r"\s{2,}", lines[2].strip())
+    assert row[1 + header.index("temperature")] == "0.000", lines
+    assert evaluate(model, tok, examples, k=2, **kw)["temperature"] == 0.7
