@@ -36,12 +36,40 @@ def _patch(f):
     return f
 
 # %% auto 0
-__all__ = ['DISTILL_MODES', 'DEFAULT_BETA', 'ON_POLICY_LOSSES', 'COMPLETION_SOURCES', 'KIND', 'DistillConfig', 'distill_beta',
-           'teacher_models', 'check_teacher_vocab', 'same_checkpoint', 'tokenizer_fingerprint', 'teacher_tokenizer',
-           'check_teacher_tokenizer', 'distill_examples', 'completion_token_ids', 'pad_completions', 'dataset_batch',
-           'sampled_batch', 'advantage_loss', 'summarize_advantage_metrics', 'distill_micro_loss', 'make_distill_step',
-           'offline_path', 'write_teacher_topk', 'read_teacher_topk', 'check_topk_file', 'DistillTrainer',
-           'train_distill', 'main']
+__all__ = ['DISTILL_MODES', 'DEFAULT_BETA', 'ON_POLICY_LOSSES', 'COMPLETION_SOURCES', 'KIND', 'same_checkpoint',
+           'tokenizer_fingerprint', 'teacher_tokenizer', 'check_teacher_tokenizer', 'DistillConfig', 'distill_beta',
+           'teacher_models', 'check_teacher_vocab', 'distill_examples', 'completion_token_ids', 'pad_completions',
+           'dataset_batch', 'sampled_batch', 'advantage_loss', 'summarize_advantage_metrics', 'distill_micro_loss',
+           'make_distill_step', 'offline_path', 'write_teacher_topk', 'read_teacher_topk', 'check_topk_file',
+           'DistillTrainer', 'train_distill', 'main']
+
+# %% ../nbs/15d_distill.ipynb
+def same_checkpoint(a: str, b: str) -> bool:
+    "Whether the paths `a` and `b` name one checkpoint: the same directory, or a run and one of its step directories."
+    if not a or not b: return False
+    a, b = (Path(os.path.realpath(os.path.expanduser(x))) for x in (a, b))
+    return a == b or a in b.parents or b in a.parents
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    "A hash of what two models must share to be compared token by token: every token's text and id, and the special tokens."
+    import hashlib
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
+    special = sorted((str(k), str(v)) for k, v in tokenizer.special_tokens_map.items())
+    return hashlib.sha256(json.dumps([vocab, special]).encode()).hexdigest()[:16]
+
+def teacher_tokenizer(cfg: DistillConfig):
+    "The teacher checkpoint's own tokenizer (in its directory, its `tokenizer/`, or its run's), or None where it has none."
+    from maxpost.data import load_tokenizer
+    from maxpost.policy import tokenizer_dir
+    try: return load_tokenizer(tokenizer_dir(dataclasses.replace(cfg, tokenizer_path="", load_parameters_path=cfg.teacher_path)))
+    except ConfigError: return None
+
+def check_teacher_tokenizer(student_tokenizer, teacher_fingerprint: str | None, where: str) -> None:
+    "Refuse a teacher (or a top-k file) whose tokenizer is not the student's, though the vocabulary sizes may agree (a `ConfigError`, exit 2)."
+    if teacher_fingerprint is not None and teacher_fingerprint != tokenizer_fingerprint(student_tokenizer):
+        raise ConfigError(f"the teacher ({where}) has another tokenizer than the student (tokenizer fingerprint "
+                          f"{teacher_fingerprint}, the student's {tokenizer_fingerprint(student_tokenizer)}): the same "
+                          "vocabulary size is not the same tokens; give a teacher with the student's tokenizer")
 
 # %% ../nbs/15d_distill.ipynb
 DISTILL_MODES = ("on_policy", "gkd", "supervised", "offline")
@@ -121,34 +149,6 @@ def check_teacher_vocab(student_vocab: int, teacher_vocab: int, where: str) -> N
         raise ConfigError(f"the teacher ({where}) has a vocabulary of {teacher_vocab} tokens and the student "
                           f"{student_vocab}: distillation compares next-token distributions over one vocabulary; give "
                           "a teacher with the student's tokenizer")
-
-# %% ../nbs/15d_distill.ipynb
-def same_checkpoint(a: str, b: str) -> bool:
-    "Whether the paths `a` and `b` name one checkpoint: the same directory, or a run and one of its step directories."
-    if not a or not b: return False
-    a, b = (Path(os.path.realpath(os.path.expanduser(x))) for x in (a, b))
-    return a == b or a in b.parents or b in a.parents
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    "A hash of what two models must share to be compared token by token: every token's text and id, and the special tokens."
-    import hashlib
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
-    special = sorted((str(k), str(v)) for k, v in tokenizer.special_tokens_map.items())
-    return hashlib.sha256(json.dumps([vocab, special]).encode()).hexdigest()[:16]
-
-def teacher_tokenizer(cfg: DistillConfig):
-    "The teacher checkpoint's own tokenizer (in its directory, its `tokenizer/`, or its run's), or None where it has none."
-    from maxpost.data import load_tokenizer
-    from maxpost.policy import tokenizer_dir
-    try: return load_tokenizer(tokenizer_dir(dataclasses.replace(cfg, tokenizer_path="", load_parameters_path=cfg.teacher_path)))
-    except ConfigError: return None
-
-def check_teacher_tokenizer(student_tokenizer, teacher_fingerprint: str | None, where: str) -> None:
-    "Refuse a teacher (or a top-k file) whose tokenizer is not the student's, though the vocabulary sizes may agree (a `ConfigError`, exit 2)."
-    if teacher_fingerprint is not None and teacher_fingerprint != tokenizer_fingerprint(student_tokenizer):
-        raise ConfigError(f"the teacher ({where}) has another tokenizer than the student (tokenizer fingerprint "
-                          f"{teacher_fingerprint}, the student's {tokenizer_fingerprint(student_tokenizer)}): the same "
-                          "vocabulary size is not the same tokens; give a teacher with the student's tokenizer")
 
 # %% ../nbs/15d_distill.ipynb
 def _raw_rows(cfg: DistillConfig, split: str):

@@ -289,7 +289,8 @@ def _start_remat(tr: Trainer) -> None:
     n = tr.mesh.devices.size
     grads = sum(x.nbytes for x in jax.tree.leaves(tr.params)) // n
     pick, line = remat_to_start(tr.model_cfg, _step_tokens(tr.cfg) // n, grads, device_memory()[0])
-    if jax.process_index() == 0 and getattr(tr, "progress", True): print(f"memory: {line}", file=sys.stderr)
+    if pick != tr.model_cfg.remat and jax.process_index() == 0 and getattr(tr, "progress", True):
+        print(f"memory: {line}", file=sys.stderr)   # said only where auto skips a policy
     if pick != tr.model_cfg.remat: _set_remat(tr, pick)
 
 def compile_step_ahead(tr: Trainer, name: str, *args) -> None:
