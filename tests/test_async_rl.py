@@ -37,7 +37,7 @@ VARYING = ("timing/", "tokens_per_s", "mfu")   # wall-clock measurements (and re
 def test_k0_is_the_synchronous_trainer_bit_for_bit(tmp_path):
     runs = {}
     for name, cls in (("sync", RLTrainer), ("k0", AsyncRLTrainer)):
-        tr = cls(cfg_of(tmp_path, name, "steps=3"), reward_fns=LENGTH)
+        tr = start_trainer(cls, cfg_of(tmp_path, name, "steps=3"), reward_fns=LENGTH)
         tr.fit(progress=False)
         assert getattr(tr, "producer", None) is None          # no thread was started
         runs[name] = (read_metrics(tmp_path / name), jax.device_get(tr.params))

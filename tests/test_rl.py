@@ -208,8 +208,9 @@ def test_every_rl_key_is_read_by_the_run(tmp_path):
     from maxpost.tasks import embedded_task_dir
     embedded_task_dir(load_config(Tracked, [f"base_output_directory={tmp_path}", "run_name=walk_task", "embedded_task=calculator"], base=None))
     # lora_dropout: only 0 is accepted; load_adapter_path: refused without lora_rank, read when adapters are
-    # attached (tests/test_lora.py starts a run's adapters from a peft directory with it)
-    refused = {"lora_dropout", "load_adapter_path"}
+    # attached (tests/test_lora.py starts a run's adapters from a peft directory with it); max_failed_steps: read at a
+    # step in which every item failed (tests/test_first_hour_round4.py stops a run with it)
+    refused = {"lora_dropout", "load_adapter_path", "max_failed_steps"}
     assert names - read - refused == set(), f"keys maxpost rl accepts but never reads: {sorted(names - read - refused)}"
 
 

@@ -47,7 +47,7 @@ def test_mesh_on_subset_of_devices():
 
 
 def test_rules_table_is_the_contract():
-    assert dict(LOGICAL_RULES) == {"batch": ("data", "fsdp"), "length": None, "embed": "fsdp", "mlp": "tensor",
+    assert dict(LOGICAL_RULES) == {"batch": ("data", "fsdp"), "layers": None, "length": None, "embed": "fsdp", "mlp": "tensor",
                                    "heads": "tensor", "kv_heads": "tensor", "head_dim": None, "vocab": "tensor"}
 
 
