@@ -38,7 +38,7 @@ def run_maxpost(a, prompts) -> dict:
     from maxpost.sampling import generate
     from maxpost.advantages import group_advantages
     from maxpost.rl import make_rl_step
-from maxpost.sampling import make_logps_fn
+    from maxpost.sampling import make_logps_fn
     cfg = common.maxpost_config(a.shape)
     model = create_model(cfg, seed=0)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)

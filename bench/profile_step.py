@@ -39,7 +39,7 @@ def build(a):
         batch = {k: jnp.asarray(v) for k, v in common.sft_batch(a.batch, a.seq, cfg.vocab_size).items()}
     else:
         from maxpost.rl import make_rl_step
-from maxpost.sampling import make_logps_fn
+        from maxpost.sampling import make_logps_fn
         step = make_rl_step(graphdef, tx, dict(loss_algo="grpo", epsilon_low=0.2, epsilon_high=0.2, beta=0.04,
                                                kl_estimator="k3", loss_agg_mode="token-mean"), 1.0, a.G)
         rng = np.random.default_rng(0)

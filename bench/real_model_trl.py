@@ -124,7 +124,7 @@ def trl_spec(settings: dict, directory: Path) -> dict:
     from maxpost.evaluate import load_examples
     from maxpost.prompts import render_prompt, prompt_token_ids, stop_token_ids
     from maxpost.data import PromptIterator
-from maxpost.rl import resolve_epsilons, loss_options
+    from maxpost.rl import resolve_epsilons, loss_options
     cfg = load_config("rl", rm.args_of(settings))
     lo = loss_options(cfg)
     need = {"loss_algo": (cfg.loss_algo, "grpo"), "loss_agg_mode": (lo["loss_agg_mode"], "token-mean"),
