@@ -23,7 +23,11 @@ def build(a):
     import jax, jax.numpy as jnp, numpy as np, optax
     from flax import nnx
     from maxpost.model import create_model
-    cfg = common.maxpost_config(a.shape)
+    if a.preset:   # a real preset (an accelerator's measurement): its shapes, the compute dtype and remat given
+        from maxpost.model import get_model_config
+        cfg = get_model_config(a.preset, dtype=a.dtype, param_dtype=a.dtype, remat=a.remat)
+    else:
+        cfg = common.maxpost_config(a.shape)
     model = create_model(cfg, seed=0)
     if a.what == "rollout":
         from maxpost.sampling import generate
@@ -59,7 +63,7 @@ def op_names(dump_dir: str, module: str) -> dict[str, str]:
     """HLO instruction name -> 'op_name output-shape' from the largest optimized dump of `module`. Instructions XLA
     added itself carry no op_name (the copies that copy insertion puts around in-place updates and loop carries):
     they are listed as '<opcode> (XLA) output-shape', so that a copy the program did not ask for shows up."""
-    files = sorted(glob.glob(f"{dump_dir}/*jit_{module}.cpu_after_optimizations.txt"), key=os.path.getsize)
+    files = sorted(glob.glob(f"{dump_dir}/*jit_{module}.*after_optimizations.txt"), key=os.path.getsize)   # cpu_, tpu_
     out = {}
     for line in open(files[-1]):
         m = re.match(r"\s+(?:ROOT )?%(\S+) = (\(.*?\)|\S+) ([\w\-]+)\(", line)   # tuple shapes hold spaces
@@ -87,10 +91,14 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--G", type=int, default=4, help="rl: rows per prompt (groups of G share a prompt)")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--preset", default=None, help="a maxpost preset instead of --shape (e.g. llama3.2-1b)")
+    ap.add_argument("--dtype", default="bfloat16", help="with --preset: compute and parameter dtype")
+    ap.add_argument("--remat", default="full", help="with --preset: the remat policy")
+    ap.add_argument("--platform", default="cpu", help="JAX_PLATFORMS ('': the machine's accelerator)")
     a = ap.parse_args(argv)
     work = tempfile.mkdtemp(prefix="maxpost_profile_")
     os.environ["XLA_FLAGS"] = f"--xla_dump_to={work}/hlo --xla_dump_hlo_as_text"   # before JAX starts
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if a.platform: os.environ.setdefault("JAX_PLATFORMS", a.platform)
     import jax
     one, module = build(a)
     one()                                                      # compile
@@ -104,7 +112,7 @@ def main(argv=None) -> int:
             total[names[e["name"]]] += e["dur"]; calls[names[e["name"]]] += 1
             spans.append((e["ts"], e["ts"] + e["dur"])); threads.add((e.get("pid"), e.get("tid")))
     all_us = sum(total.values())
-    print(f"{a.what} on {a.shape}: {wall:.3f} s a call unprofiled; {all_us / 1e6:.3f} s of XLA ops in the profiled call, "
+    print(f"{a.what} on {a.preset or a.shape} ({jax.devices()[0].device_kind}): {wall:.3f} s a call unprofiled; {all_us / 1e6:.3f} s of XLA ops in the profiled call, "
           f"on {len(threads)} threads, covering {covered(spans) / 1e6:.3f} s of it")
     if len(threads) > 1:   # XLA's CPU runtime runs independent ops at the same time: their times overlap
         print("ops ran concurrently: an op's time includes waiting for the cores its neighbours used, so small ops "

@@ -4,6 +4,7 @@
 # at a real shape, each part time-boxed, logs under $OUT. Run from the repository root:
 #   OUT=/tmp/out bash bench/device/tpu_run.sh            # QUICK=1: tiny shapes (a CPU rehearsal, nothing installed)
 #   E2E=1 OUT=/tmp/out bash bench/device/tpu_run.sh      # bench/e2e.py instead (E2E_ARGS: its options)
+#   PROBE=1 OUT=/tmp/out bash bench/device/tpu_run.sh    # compile phases per program, then the 1B SFT step's profile
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TF_CPP_MIN_LOG_LEVEL=2
 OUT=${OUT:-/tmp/tpu_out}; mkdir -p "$OUT"; R=${R:-/tmp/runs}; PY=${PY:-python3}
@@ -23,6 +24,13 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 $PY -c "import jax, flax, optax, orbax.checkpoint, transformers; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'transformers', transformers.__version__, jax.devices())" 2>&1 | tail -2
 T0=$(date +%s)
+if [ -n "${PROBE:-}" ]; then  # where compile time goes (bench/compile_probe.py), then the 1B step op by op (profile_step.py)
+  if [ -z "${QUICK:-}" ]; then BIG="--preset ${M:-llama3.2-1b}"; SHAPE="--preset ${M:-llama3.2-1b} --seq 1024 --batch 8"
+  else BIG=""; SHAPE="--shape tiny --seq 128"; fi
+  part compile_probe ${T_PROBE:-240} $PY bench/compile_probe.py $BIG
+  TAIL=40 part profile_step ${T_PROF:-300} $PY bench/profile_step.py sft --platform "" $SHAPE --remat full --dtype bfloat16
+  echo "total $(( $(date +%s) - T0 )) s"; exit
+fi
 if [ -n "${E2E:-}" ]; then   # bench/e2e.py: the main job, then SFT, RL and DPO at a 1B preset, with where the time goes
   $PY bench/e2e.py ${E2E_ARGS:---param-dtype bfloat16 --box-scale 0.95} ${QUICK:+--quick}; echo "total $(( $(date +%s) - T0 )) s"; exit
 fi
