@@ -12,8 +12,8 @@ __all__ = ['LOSS_ALGOS', 'POLICY_LOSS_ALGOS', 'CISPO_EPSILONS', 'LOSS_AGG_MODES'
            'KL_ESTIMATORS', 'LOG_RATIO_CLIP', 'aggregate_loss', 'importance_ratio', 'estimate_kl', 'policy_loss']
 
 # %% ../nbs/12_policy_loss.ipynb
-LOSS_ALGOS = ("grpo", "gspo", "gspo-token")              # what the RL config offers today
-POLICY_LOSS_ALGOS = (*LOSS_ALGOS, "cispo")               # what `policy_loss` computes (CISPO: see below)
+LOSS_ALGOS = ("grpo", "gspo", "gspo-token")              # the clipped surrogates (PPO's min of two terms)
+POLICY_LOSS_ALGOS = (*LOSS_ALGOS, "cispo")               # what `policy_loss` computes and `maxpost rl` offers
 CISPO_EPSILONS = (1.0, 4.0)   # CISPO's (epsilon_low, epsilon_high): no lower bound, the weight capped at 1 + 4 = 5
 LOSS_AGG_MODES = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum",
                   "sequence-mean-token-scale", "token-sum-norm")

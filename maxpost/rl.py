@@ -15,8 +15,9 @@ from .config import TrainConfig, GenerationConfig, ConfigError, key, register_ki
 from . import sharding
 from .model import LOGITS_CHUNK_SIZE
 from .data import PromptIterator
-from .advantages import SCALES, group_advantages
-from .policy_loss import KL_ESTIMATORS, LOSS_AGG_CHOICES, LOSS_ALGOS, policy_loss
+from .advantages import ADVANTAGE_ESTIMATORS, SCALES, group_advantages, rloo_advantages
+from .shaping import is_truncated, mask_truncated_completions, overlong_penalty
+from .policy_loss import CISPO_EPSILONS, KL_ESTIMATORS, LOSS_AGG_CHOICES, POLICY_LOSS_ALGOS, policy_loss
 from .sampler_correction import IMPORTANCE_SAMPLING_MODES, importance_weights
 from .rewards import (REWARD_ISOLATION, as_reward_specs, compute_rewards, correctness_reward, start_reward_workers,
                              close_reward_workers)
@@ -34,12 +35,12 @@ from .step import make_update_step, ReferencePolicy
 # %% auto 0
 __all__ = ['DEFAULT_EPSILONS', 'DEFAULT_IMPORTANCE_SAMPLING', 'STALE_IMPORTANCE_SAMPLING', 'ROLLOUT_ENGINES', 'KIND',
            'resolve_epsilons', 'default_loss_agg_mode', 'loss_options', 'completion_width',
-           'default_importance_sampling', 'RLConfig', 'RolloutEngine', 'SamplerEngine', 'make_engine',
-           'sampling_options', 'correction_options', 'rollout_metrics', 'group_mini_batches', 'make_rl_step',
-           'RLTrainer', 'episode_batch', 'train_rl', 'main']
+           'default_importance_sampling', 'RLConfig', 'recipe_problems', 'RolloutEngine', 'SamplerEngine',
+           'make_engine', 'sampling_options', 'correction_options', 'rollout_metrics', 'group_mini_batches',
+           'make_rl_step', 'rollout_advantages', 'shape_completions', 'RLTrainer', 'episode_batch', 'train_rl', 'main']
 
 # %% ../nbs/15_rl.ipynb
-DEFAULT_EPSILONS = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4)}
+DEFAULT_EPSILONS = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4), "cispo": CISPO_EPSILONS}
 
 def resolve_epsilons(cfg: RLConfig) -> tuple[float, float]:
     "`(epsilon_low, epsilon_high)`: the configured values, or the defaults of `cfg.loss_algo`."
@@ -78,12 +79,13 @@ class RLConfig(EpisodeConfig, TrainConfig, GenerationConfig):
     "Reinforcement learning with group-relative policy optimisation (GRPO, GSPO)."
     num_generations: int = key(8, positive=True,
         help="completions per prompt (G), the group of group-relative advantages")
-    loss_algo: str = key("grpo", choices=LOSS_ALGOS,
-        help="token-level (grpo) or sequence-level (gspo, gspo-token) importance ratios")
+    loss_algo: str = key("grpo", choices=POLICY_LOSS_ALGOS,
+        help="token-level (grpo) or sequence-level (gspo, gspo-token) importance ratios, or CISPO's clipped "
+             "token weights with no gradient (cispo)")
     epsilon_low: Optional[float] = key(None, non_negative=True,
-        help="lower clip of the ratio; null = the algorithm's (grpo 0.2, gspo 3e-4)")
+        help="lower clip of the ratio; null = the algorithm's (grpo 0.2, gspo 3e-4, cispo 1)")
     epsilon_high: Optional[float] = key(None, non_negative=True,
-        help="upper clip of the ratio; null = the algorithm's (grpo 0.28, gspo 4e-4)")
+        help="upper clip of the ratio; null = the algorithm's (grpo 0.28, gspo 4e-4, cispo 4)")
     beta: float = key(0.0, non_negative=True,
         help="weight of the KL penalty to the reference policy; 0 = no reference model")
     kl_estimator: str = key("k3", choices=KL_ESTIMATORS,
@@ -92,6 +94,19 @@ class RLConfig(EpisodeConfig, TrainConfig, GenerationConfig):
         help="how token losses are averaged; null = the algorithm's (gspo: sequence-mean-token-mean, else token-mean)")
     advantage_scale: str = key("group", choices=SCALES,
         help="what the group-relative advantage is divided by: the group's std, the batch's, or nothing")
+    advantage_estimator: str = key("grpo", choices=ADVANTAGE_ESTIMATORS,
+        help="grpo: the reward minus its group's mean (scaled per advantage_scale); rloo: minus the mean of the "
+             "group's other rewards (the leave-one-out baseline of RLOO)")
+    normalize_advantages: bool = key(False,
+        help="with advantage_estimator=rloo, whiten the advantages over the batch (TRL's RLOO normalize_advantages)")
+    mask_truncated_completions: bool = key(False,
+        help="leave completions cut off at max_completion_length (no stop token) out of the loss (DAPO's overlong "
+             "filtering; TRL's mask_truncated_completions); their rewards still count in their group's advantages")
+    overlong_buffer_length: int = key(0, non_negative=True,
+        help="DAPO's soft overlong penalty: a reward term falling linearly from 0 at max_completion_length - this "
+             "many tokens to -overlong_penalty_factor at max_completion_length (rewards/overlong_penalty); 0 = off")
+    overlong_penalty_factor: float = key(1.0, positive=True,
+        help="the overlong penalty at max_completion_length (DAPO's and verl's 1.0); needs overlong_buffer_length > 0")
     num_iterations: int = key(1, positive=True, help="mu: optimizer passes over each rollout batch")
     mini_batch_size: int = key(0, non_negative=True,
         help="rows per optimizer step within a rollout batch (whole groups); 0 = all")
@@ -156,7 +171,7 @@ class RLConfig(EpisodeConfig, TrainConfig, GenerationConfig):
 
     def problems(self) -> list[str]:
         "`TrainConfig`'s problems (with the group checks), one weight per reward function, and bounds of the sampler correction that make sense."
-        out = super().problems() + episode_problems(self)
+        out = super().problems() + episode_problems(self) + recipe_problems(self)
         if len(self.reward_functions) != len(self.reward_weights):
             out.append(f"reward_functions has {len(self.reward_functions)} entries but reward_weights has "
                        f"{len(self.reward_weights)}; give one weight per function")
@@ -180,6 +195,30 @@ class RLConfig(EpisodeConfig, TrainConfig, GenerationConfig):
                        f"{self.max_staleness} versions apart, so rollouts would lag more than max_staleness and be "
                        f"dropped; set max_staleness >= {self.weight_sync_steps} or a smaller weight_sync_steps")
         return out
+
+# %% ../nbs/15_rl.ipynb
+def recipe_problems(cfg: RLConfig) -> list[str]:
+    "The problems of the keys of the recipes (RLOO, DAPO's overlong shaping): each one where it does not apply."
+    out, est, buf, L = [], cfg.advantage_estimator, cfg.overlong_buffer_length, cfg.max_completion_length
+    if est == "gae":
+        out.append("advantage_estimator=gae needs a critic (a value model), which maxpost rl does not train yet; "
+                   "use advantage_estimator=grpo or rloo")
+    if cfg.normalize_advantages and est != "rloo":
+        out.append(f"normalize_advantages=true whitens RLOO's advantages but advantage_estimator={est}; set "
+                   "advantage_estimator=rloo, or scale group-relative advantages with advantage_scale")
+    if est == "rloo" and cfg.advantage_scale != "group":
+        out.append(f"advantage_scale={cfg.advantage_scale} scales group-relative advantages, not RLOO's; remove it "
+                   "(normalize_advantages=true whitens RLOO's over the batch)")
+    if buf and buf >= L:
+        out.append(f"overlong_buffer_length={buf} must be below max_completion_length={L}: the penalty starts "
+                   f"max_completion_length - overlong_buffer_length tokens in; e.g. overlong_buffer_length={L // 4}")
+    if not buf and cfg.overlong_penalty_factor != 1.0:
+        out.append(f"overlong_penalty_factor={cfg.overlong_penalty_factor} scales the soft overlong penalty, which is "
+                   "off: set overlong_buffer_length > 0 too")
+    if cfg.environment and (buf or cfg.mask_truncated_completions):
+        out.append("overlong_buffer_length and mask_truncated_completions shape single-turn completions; with "
+                   f"environment={cfg.environment} episodes end at max_episode_tokens: remove them")
+    return out
 
 # %% ../nbs/15_rl.ipynb
 @runtime_checkable
@@ -282,6 +321,29 @@ _advantages_fn = jax.jit(group_advantages, static_argnums=1, static_argnames=("s
 _importance_fn = jax.jit(importance_weights, static_argnames=("mode", "clip_max", "clip_min"))
 
 # %% ../nbs/15_rl.ipynb
+_rloo_fn = jax.jit(rloo_advantages, static_argnums=1, static_argnames=("normalize_advantages", "eps"))
+_overlong_fn = jax.jit(overlong_penalty, static_argnums=(1, 2))
+
+def rollout_advantages(cfg: RLConfig, rewards_b: np.ndarray) -> np.ndarray:
+    "Advantages [B] of the total rewards: group-relative (`advantage_estimator=grpo`, per `advantage_scale`) or leave-one-out (`rloo`, whitened with `normalize_advantages`)."
+    r, G, normalize = np.asarray(rewards_b, np.float32), cfg.num_generations, cfg.normalize_advantages
+    if cfg.advantage_estimator == "rloo": return np.asarray(_rloo_fn(r, G, normalize_advantages=normalize), np.float32)
+    return np.asarray(_advantages_fn(r, G, scale=cfg.advantage_scale), np.float32)
+
+def shape_completions(cfg: RLConfig, rewards_b, completion_ids, completion_mask, eos_ids) -> tuple[np.ndarray, np.ndarray, dict]:
+    "DAPO's overlong shaping: (rewards plus the soft overlong penalty, the completion mask without truncated completions, the penalty's metrics); each part only when its key is set."
+    buf, factor, masked = cfg.overlong_buffer_length, cfg.overlong_penalty_factor, cfg.mask_truncated_completions
+    metrics = {}
+    if buf:
+        pen = np.asarray(_overlong_fn(np.asarray(completion_mask).sum(1), cfg.max_completion_length, buf, factor), np.float32)
+        rewards_b = np.asarray(rewards_b, np.float32) + pen
+        metrics = {"rewards/overlong_penalty/mean": float(pen.mean()), "rewards/overlong_penalty/std": float(pen.std())}
+    if masked:
+        truncated = is_truncated(completion_ids, completion_mask, list(eos_ids))
+        completion_mask = np.asarray(mask_truncated_completions(completion_mask, truncated))
+    return rewards_b, completion_mask, metrics
+
+# %% ../nbs/15_rl.ipynb
 class RLTrainer(Trainer):
     "GRPO / GSPO: rollout -> rewards -> group-relative advantages -> π_old / π_ref log-probs -> μ passes of mini-batch updates."
     kind, eval_at_start = "rl", True
@@ -351,11 +413,12 @@ class RLTrainer(Trainer):
             total, _, reward_metrics = compute_rewards(self.rewards, [e["question"] for e in examples for _ in range(G)],
                                                        r.text, columns, timeout_s=cfg.reward_timeout_s,
                                                        isolation=cfg.reward_isolation)
-        adv = np.asarray(_advantages_fn(np.asarray(total, np.float32), G, scale=cfg.advantage_scale), np.float32)
+        total, mask, shaping = shape_completions(cfg, total, r.completion_ids, r.completion_mask, self.sampling["eos_ids"])
+        adv = rollout_advantages(cfg, total)
         batch = dict(prompt_ids=r.prompt_ids, prompt_mask=r.prompt_mask, completion_ids=r.completion_ids,
-                     completion_mask=r.completion_mask, advantages=adv)
+                     completion_mask=mask, advantages=adv)
         info = {**rollout_metrics(total, adv, r.completion_ids, r.completion_mask, G, self.sampling["eos_ids"]),
-                **reward_metrics, "timing/rollout": t_roll, "truncated_prompts": r.num_truncated_prompts,
+                **reward_metrics, **shaping, "timing/rollout": t_roll, "truncated_prompts": r.num_truncated_prompts,
                 "num_tokens": int(r.prompt_mask.sum() + r.completion_mask.sum())}
         return dict(batch=batch, sampler_logps=r.per_token_logps, info=info, text=r.text, examples=examples,
                     data_state=data_state)   # the prompts' position once this rollout is trained on
@@ -436,6 +499,7 @@ def _episode_rollout(self: RLTrainer, examples: list[dict], index: int, engine, 
     scored, _, reward_metrics = compute_rewards(self.rewards, [e["question"] for e in group], ep.text, columns,
                                                 timeout_s=cfg.reward_timeout_s, isolation=cfg.reward_isolation)
     batch, total = episode_batch(ep, np.asarray(scored) + ep.rewards, G, cfg.advantage_scale)
+    if cfg.advantage_estimator != "grpo": batch["advantages"] = rollout_advantages(cfg, total)
     info = {**rollout_metrics(total, batch["advantages"], ep.completion_ids, batch["completion_mask"], G, self.sampling["eos_ids"]),
             "completions/clipped_ratio": float(ep.truncated.mean()), **reward_metrics, **ep.metrics(),
             "rewards/environment/mean": float(ep.rewards.mean()), "timing/rollout": t_roll,

@@ -144,7 +144,7 @@ def test_each_command_has_only_its_keys():
 def test_choice_lists_come_from_their_owners():
     from maxpost.config import choices
     from maxpost import policy_loss, advantages, rl, data, attention, model, config
-    assert choices("loss_algo") == policy_loss.LOSS_ALGOS and choices("kl_estimator") == policy_loss.KL_ESTIMATORS
+    assert choices("loss_algo") == policy_loss.POLICY_LOSS_ALGOS and choices("kl_estimator") == policy_loss.KL_ESTIMATORS
     assert set(policy_loss.LOSS_AGG_MODES) <= set(choices("loss_agg_mode"))
     assert choices("advantage_scale") == advantages.SCALES and choices("rollout_engine") == tuple(rl.ROLLOUT_ENGINES)
     assert choices("data_format") == data.DATA_FORMATS and choices("train_on") == data.TRAIN_ON
