@@ -23,7 +23,7 @@ __all__ = ['score', 'SEQUENCE_CLASSIFIERS', 'KIND', 'RewardHead', 'create_head',
            'load_reward_hf', 'RewardConfig', 'load_margins', 'RewardWeights', 'attach_head', 'reward_batch_loss',
            'make_reward_step', 'make_score_step', 'RewardTrainer', 'train_reward', 'accuracy_line', 'main',
            'load_reward_model', 'reward_model_tokenizer', 'reply_ids', 'episode_parts', 'RewardModelReward',
-           'check_reward_tokenizer', 'rl_reward_model']
+           'check_reward_tokenizer', 'trained_lengths', 'rl_reward_model']
 
 # %% ../nbs/15e_reward.ipynb
 class RewardHead(nnx.Module):
@@ -471,14 +471,25 @@ def check_reward_tokenizer(path, tokenizer, model: Decoder) -> None:
         raise ConfigError(f"reward model {str(path)!r} has {model.cfg.vocab_size} embeddings but the policy's tokenizer "
                           f"{len(tokenizer)} tokens; give a reward model trained with the policy's tokenizer")
 
+def trained_lengths(path) -> tuple[int, int] | None:
+    "(max_prompt_length, max_completion_length) that the `maxpost reward` run at `path` (or its `hf/`, or one checkpoint of it) was trained with; None for another model."
+    p = Path(os.path.abspath(os.path.expanduser(str(path))))
+    for run in (p, p.parent, p.parent.parent):
+        if (run / "config.yml").exists():
+            d = yaml.safe_load((run / "config.yml").read_text()) or {}
+            if "center_rewards_coefficient" in d: return int(d["max_prompt_length"]), int(d["max_completion_length"])
+    return None
+
 def rl_reward_model(path, *, cfg, mesh, tokenizer, compiled=None, reply_slack: int = 16) -> RewardModelReward:
     "`RewardModelReward` of the reward model at `path` for the RL run `cfg` (chapter 15_rl): on `mesh` in the run's dtypes, its tokenizer checked, a batch per rollout."
     opts = model_options(cfg)
     model = load_reward_model(path, mesh=mesh, dtype=jnp.dtype(opts["param_dtype"]), compute_dtype=opts["dtype"],
                               attention=opts["attention"])
     check_reward_tokenizer(path, tokenizer, model)
+    P, C = trained_lengths(path) or (0, 0)      # its training's cut, or RL's lengths when they are longer
     return RewardModelReward(model, tokenizer, template=cfg.prompt_template, batch_size=cfg.global_batch_size,
-                             max_prompt_length=cfg.max_prompt_length, max_completion_length=completion_width(cfg) + reply_slack,
+                             max_prompt_length=max(P, cfg.max_prompt_length),
+                             max_completion_length=max(C, completion_width(cfg) + reply_slack),
                              mesh=mesh, compiled=compiled, label=f"the reward model {path}")
 
 register_reward_model_loader(rl_reward_model)
