@@ -21,7 +21,9 @@ from .sampling import prompt_positions
 __all__ = ['score', 'SEQUENCE_CLASSIFIERS', 'KIND', 'RewardHead', 'create_head', 'last_token_index', 'reward_scores',
            'reward_inputs', 'preference_inputs', 'reward_hf_config', 'save_reward_hf', 'read_reward_config',
            'load_reward_hf', 'RewardConfig', 'load_margins', 'RewardWeights', 'attach_head', 'reward_batch_loss',
-           'make_reward_step', 'make_score_step', 'RewardTrainer', 'train_reward', 'accuracy_line', 'main']
+           'make_reward_step', 'make_score_step', 'RewardTrainer', 'train_reward', 'accuracy_line', 'main',
+           'load_reward_model', 'reward_model_tokenizer', 'reply_ids', 'episode_parts', 'RewardModelReward',
+           'check_reward_tokenizer', 'trained_lengths', 'rl_reward_model']
 
 # %% ../nbs/15e_reward.ipynb
 class RewardHead(nnx.Module):
@@ -345,3 +347,150 @@ def main(argv=None) -> int:
     return train_command("reward", argv, report=lambda tr, out: [accuracy_line(tr.cfg, out)])
 
 KIND = register_kind("reward", RewardConfig, main, "a reward model (Bradley-Terry) from preference pairs (base: configs/reward.yml)", trainer=RewardTrainer)
+
+# %% ../nbs/15e_reward.ipynb
+import contextlib, dataclasses, os, yaml
+from .rewards import register_reward_model_loader
+from .prompts import render_prompt, template_messages
+from .policy import find_run_checkpoint, read_model_config, model_options, set_model_options
+from .checkpoint import checkpoint_manager, restore_state
+from .distill import tokenizer_fingerprint
+from .data import load_tokenizer
+from .rl import completion_width
+
+
+# %% ../nbs/15e_reward.ipynb
+_NOT_A_REWARD_MODEL = "give a `maxpost reward` run directory or a Hugging Face sequence classifier (num_labels=1)"
+
+def _restored_reward_model(run: Path, step: int | None, options: dict, mesh) -> Decoder:
+    "The body and head of a `maxpost reward` run's checkpoint `step` (default: the newest), read into their shards on `mesh`."
+    saved = yaml.safe_load((run / "config.yml").read_text()) if (run / "config.yml").exists() else {}
+    if "center_rewards_coefficient" not in saved:     # a key of RewardConfig alone: the run of another kind
+        raise ConfigError(f"{run} holds a causal language model with no score head (a run of another kind than "
+                          f"`maxpost reward`); {_NOT_A_REWARD_MODEL}")
+    if saved.get("lora_rank", 0):
+        raise ConfigError(f"{run} is a LoRA reward run without its Hugging Face export ({run / 'hf'}): run it again "
+                          "with save_hf=true (the merged model with its head) and give that run directory")
+    mcfg = dataclasses.replace(read_model_config(run), **options)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: attach_head(Decoder(mcfg, rngs=nnx.Rngs(0)))))
+    where = (sharding.param_shardings(state, mesh) if mesh is not None else
+             jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), state))
+    target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, where)
+    return nnx.merge(graphdef, restore_state(checkpoint_manager(run / "checkpoints"), target, step=step)[0])
+
+
+# %% ../nbs/15e_reward.ipynb
+def load_reward_model(path, *, mesh=None, dtype=jnp.float32, compute_dtype=None, attention: str = "auto") -> Decoder:
+    "A reward model as one `Decoder` with its `RewardHead` as `score`, from a `maxpost reward` run (its `hf/` export, else its checkpoint) or a Hugging Face sequence classifier; a one-line `ConfigError` for anything else."
+    p = Path(os.path.expanduser(str(path)))
+    if not p.exists(): raise ConfigError(f"reward model {str(path)!r} does not exist; {_NOT_A_REWARD_MODEL}")
+    hf = p if (p / "config.json").exists() else p / "hf" if (p / "hf" / "config.json").exists() else None
+    if hf is not None:
+        body, head = load_reward_hf(hf, dtype=dtype, mesh=mesh, compute_dtype=compute_dtype)
+        body.score = head
+        return set_model_options(body, attention=attention)
+    try: run, step = find_run_checkpoint(p)
+    except FileNotFoundError: raise ConfigError(f"{p} is no reward model maxpost reads; {_NOT_A_REWARD_MODEL}") from None
+    opts = dict(dtype=jnp.dtype(compute_dtype or dtype).name, param_dtype=jnp.dtype(dtype).name, attention=attention, remat="none")
+    return _restored_reward_model(run, step, opts, mesh)
+
+def reward_model_tokenizer(path):
+    "The tokenizer saved with a reward model (in its directory, its run's `tokenizer/`), or None where it has none."
+    p = Path(os.path.expanduser(str(path)))
+    for d in (p, p / "tokenizer", p.parent / "tokenizer", p.parent.parent / "tokenizer"):
+        if (d / "tokenizer.json").exists() or (d / "tokenizer_config.json").exists(): return load_tokenizer(d)
+    return None
+
+
+# %% ../nbs/15e_reward.ipynb
+def reply_ids(tokenizer, prompt, reply) -> tuple[list[int], list[int]]:
+    "(prompt ids, reply ids) as `encode_pair` tokenizes a pair's prompt and one reply: messages through the chat template (the prompt with the generation prompt, the reply what the conversation adds to it), or texts (the prompt with special tokens, the reply then EOS)."
+    ids = lambda text, special=False: list(tokenizer(text, add_special_tokens=special)["input_ids"])
+    if isinstance(prompt, str):
+        return ids(prompt, special=True), ids(reply) + ([] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)])
+    render = lambda m, gen: tokenizer.apply_chat_template(list(m), tokenize=False, add_generation_prompt=gen)
+    head, full = render(prompt, True), render(list(prompt) + list(reply), False)
+    if not full.startswith(head): raise ValueError("the chat template renders the prompt differently inside the conversation")
+    return ids(head), ids(full[len(head):])
+
+def episode_parts(messages: Sequence[dict]) -> tuple[list[dict], list[dict]]:
+    "(prompt, reply) of an episode's messages: the messages before the first assistant turn, and every message from it on."
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    return list(messages[:first]), list(messages[first:])
+
+
+# %% ../nbs/15e_reward.ipynb
+class RewardModelReward:
+    "A reward model as a reward function (chapter 13_rewards): each prompt and completion (or episode) tokenized by `reply_ids`, scored on the device in batches of `batch_size` rows of one length, on the caller's thread."
+    inline = True   # it drives the device: never a worker process (chapter 13_rewards)
+
+    def __init__(self, model: Decoder, tokenizer, *, template: str = "gsm8k", batch_size: int = 8,
+                 max_prompt_length: int = 128, max_completion_length: int = 128, mesh=None, compiled=None,
+                 label: str = "a reward model's scoring"):
+        self.graphdef, self.state = nnx.split(model)
+        self.tokenizer, self.template, self.batch_size, self.mesh = tokenizer, template, int(batch_size), mesh
+        self.lengths, self.pad_id = (int(max_prompt_length), int(max_completion_length)), tokenizer.pad_token_id or 0
+        jitted = jax.jit(lambda state, t, p, s: (lambda m: reward_scores(m, m.score, t, p, s))(nnx.merge(self.graphdef, state)))
+        self.score_fn = jitted if compiled is None else compiled(jitted, label)   # a run's: its memory checked
+
+    def sequences(self, prompts: Sequence[str], completions: Sequence[str], episode_messages=None) -> list[list[int]]:
+        "The token ids scored: each prompt's last `max_prompt_length` tokens, then its reply's first `max_completion_length`."
+        chat, (P, C), out = bool(getattr(self.tokenizer, "chat_template", None)), self.lengths, []
+        for i, (q, c) in enumerate(zip(prompts, completions)):
+            if episode_messages is not None and chat: prompt, reply = episode_parts(episode_messages[i])
+            elif chat: prompt, reply = template_messages(q, self.template), [{"role": "assistant", "content": c}]
+            else: prompt, reply = render_prompt(self.tokenizer, q, self.template), c
+            p, r = reply_ids(self.tokenizer, prompt, reply)
+            out.append(p[-P:] + r[:C])
+        return out
+
+
+# %% ../nbs/15e_reward.ipynb
+@patch
+def __call__(self: RewardModelReward, prompts: list[str], completions: list[str], episode_messages=None, **columns) -> list[float]:
+    "One score per completion: the rows padded to `batch_size` (copies of the last) and to one length, a program call per batch."
+    seqs, B, out = self.sequences(prompts, completions, episode_messages), self.batch_size, []
+    for i in range(0, len(seqs), B):
+        rows = seqs[i:i + B]
+        t, p, s = reward_inputs(rows + rows[-1:] * (B - len(rows)), self.pad_id, sum(self.lengths))
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            arrays = [t, p, s] if self.mesh is None else list(sharding.shard_batch(dict(t=t, p=p, s=s), self.mesh).values())
+            out += np.asarray(jax.device_get(self.score_fn(self.state, *arrays)))[:len(rows)].tolist()
+    return out
+
+
+# %% ../nbs/15e_reward.ipynb
+def check_reward_tokenizer(path, tokenizer, model: Decoder) -> None:
+    "Refuse (a `ConfigError`) a reward model whose saved tokenizer is not `tokenizer` (the policy's), or whose embeddings do not cover it."
+    own = reward_model_tokenizer(path)
+    if own is not None and tokenizer_fingerprint(own) != tokenizer_fingerprint(tokenizer):
+        raise ConfigError(f"reward model {str(path)!r} has another tokenizer than the policy (tokenizer fingerprint "
+                          f"{tokenizer_fingerprint(own)}, the policy's {tokenizer_fingerprint(tokenizer)}): it would read "
+                          "other tokens than the policy writes; give a reward model trained with the policy's tokenizer")
+    if len(tokenizer) > model.cfg.vocab_size:
+        raise ConfigError(f"reward model {str(path)!r} has {model.cfg.vocab_size} embeddings but the policy's tokenizer "
+                          f"{len(tokenizer)} tokens; give a reward model trained with the policy's tokenizer")
+
+def trained_lengths(path) -> tuple[int, int] | None:
+    "(max_prompt_length, max_completion_length) that the `maxpost reward` run at `path` (or its `hf/`, or one checkpoint of it) was trained with; None for another model."
+    p = Path(os.path.abspath(os.path.expanduser(str(path))))
+    for run in (p, p.parent, p.parent.parent):
+        if (run / "config.yml").exists():
+            d = yaml.safe_load((run / "config.yml").read_text()) or {}
+            if "center_rewards_coefficient" in d: return int(d["max_prompt_length"]), int(d["max_completion_length"])
+    return None
+
+def rl_reward_model(path, *, cfg, mesh, tokenizer, compiled=None, reply_slack: int = 16) -> RewardModelReward:
+    "`RewardModelReward` of the reward model at `path` for the RL run `cfg` (chapter 15_rl): on `mesh` in the run's dtypes, its tokenizer checked, a batch per rollout."
+    opts = model_options(cfg)
+    model = load_reward_model(path, mesh=mesh, dtype=jnp.dtype(opts["param_dtype"]), compute_dtype=opts["dtype"],
+                              attention=opts["attention"])
+    check_reward_tokenizer(path, tokenizer, model)
+    P, C = trained_lengths(path) or (0, 0)      # its training's cut, or RL's lengths when they are longer
+    return RewardModelReward(model, tokenizer, template=cfg.prompt_template, batch_size=cfg.global_batch_size,
+                             max_prompt_length=max(P, cfg.max_prompt_length),
+                             max_completion_length=max(C, completion_width(cfg) + reply_slack),
+                             mesh=mesh, compiled=compiled, label=f"the reward model {path}")
+
+register_reward_model_loader(rl_reward_model)
+

@@ -4,7 +4,7 @@
 
 # %% ../nbs/15_rl.ipynb 4
 from __future__ import annotations
-import time
+import os, time
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
@@ -20,7 +20,7 @@ from .shaping import is_truncated, mask_truncated_completions, overlong_penalty
 from .policy_loss import CISPO_EPSILONS, KL_ESTIMATORS, LOSS_AGG_CHOICES, POLICY_LOSS_ALGOS, policy_loss
 from .sampler_correction import IMPORTANCE_SAMPLING_MODES, importance_weights
 from .rewards import (REWARD_ISOLATION, as_reward_specs, compute_rewards, correctness_reward, start_reward_workers,
-                             close_reward_workers)
+                             close_reward_workers, reward_model_specs)
 from .sampling import Rollout, generate, completion_logps, split_groups, make_logps_fn
 from .prompts import prompt_token_ids, stop_token_ids
 from .evaluate import load_examples, load_eval_examples, evaluate, eval_options, held_out_metrics, held_out_table
@@ -112,7 +112,11 @@ class RLConfig(EpisodeConfig, TrainConfig, GenerationConfig):
         help="rows per optimizer step within a rollout batch (whole groups); 0 = all")
     reward_functions: list[str] = key(factory=lambda: ["correctness", "format"],
         help="reward functions by name (correctness, format, ...) or module:function")
-    reward_weights: list[float] = key(factory=lambda: [1.0, 0.1], help="one weight per reward function")
+    reward_weights: list[float] = key(factory=lambda: [1.0, 0.1],
+        help="one weight per reward function, then one per reward model (omitted: 1.0 each)")
+    reward_models: list[str] = key(factory=list,
+        help="reward models scored on the device after each rollout (the whole episode with environment=): `maxpost "
+             "reward` run directories or Hugging Face sequence classifiers (num_labels=1); chapter 15e_reward")
     reward_timeout_s: float = key(10.0, positive=True, resumable=True,
         help="a reward call past it scores 0 (its worker process is restarted)")
     reward_isolation: str = key("process", choices=REWARD_ISOLATION,
@@ -172,9 +176,12 @@ class RLConfig(EpisodeConfig, TrainConfig, GenerationConfig):
     def problems(self) -> list[str]:
         "`TrainConfig`'s problems (with the group checks), one weight per reward function, and bounds of the sampler correction that make sense."
         out = super().problems() + episode_problems(self) + recipe_problems(self)
-        if len(self.reward_functions) != len(self.reward_weights):
-            out.append(f"reward_functions has {len(self.reward_functions)} entries but reward_weights has "
-                       f"{len(self.reward_weights)}; give one weight per function")
+        nf, nm = len(self.reward_functions), len(self.reward_models)
+        if len(self.reward_weights) not in (nf, nf + nm):
+            out.append(f"reward_functions has {nf} entries{f' and reward_models {nm}' if nm else ''} but reward_weights "
+                       f"has {len(self.reward_weights)}; give one weight per function{', then one per reward model' if nm else ''}")
+        out += [f"reward_models: {p!r} does not exist; give a `maxpost reward` run directory or a Hugging Face sequence "
+                "classifier (num_labels=1)" for p in self.reward_models if not os.path.exists(os.path.expanduser(p))]
         lo, hi, mode = self.importance_sampling_clip_min, self.importance_sampling_clip_max, self.importance_sampling_mode
         if lo is not None and hi is not None and lo >= hi:
             out.append(f"importance_sampling_clip_min={lo} must be below importance_sampling_clip_max={hi}")
@@ -367,6 +374,10 @@ class RLTrainer(Trainer):
         self.rewards = as_reward_specs(reward_fns if reward_fns is not None else
                                        list(zip(cfg.reward_functions, cfg.reward_weights)), template=cfg.prompt_template)
         if cfg.reward_isolation == "process": start_reward_workers(self.rewards)   # they boot while the rest loads
+        with self.clock("weights"):   # reward models: on this mesh, each with its own scoring program (chapter 15e_reward)
+            self.rewards += reward_model_specs(cfg.reward_models, cfg.reward_weights[len(cfg.reward_functions):] or None,
+                                               taken=[s.name for s in self.rewards], cfg=cfg, mesh=self.mesh,
+                                               tokenizer=self.tokenizer, compiled=self.compiled)
         correctness = any(s.fn is correctness_reward for s in self.rewards)
         self.environment = environment_factory(cfg.environment) if cfg.environment else None   # episodes: one per call
         with self.clock("data"):
@@ -495,7 +506,7 @@ def _episode_rollout(self: RLTrainer, examples: list[dict], index: int, engine, 
                           top_p=cfg.top_p, eos_ids=self.sampling["eos_ids"], pad_id=self.sampling["pad_id"],
                           seed=cfg.seed * 1_000_003 + index, **episode_limits(cfg))
     t_roll = time.perf_counter() - t0
-    columns = {k: [e[k] for e in group] for k in examples[0] if k != "question"}
+    columns = {**{k: [e[k] for e in group] for k in examples[0] if k != "question"}, "episode_messages": ep.messages}
     scored, _, reward_metrics = compute_rewards(self.rewards, [e["question"] for e in group], ep.text, columns,
                                                 timeout_s=cfg.reward_timeout_s, isolation=cfg.reward_isolation)
     batch, total = episode_batch(ep, np.asarray(scored) + ep.rewards, G, cfg.advantage_scale)
