@@ -144,3 +144,27 @@ def test_cli_bad_kto_input_exits_2_in_one_line(tmp_path):
     r = subprocess.run(_cli(tmp_path / "out", "desirable_weight=2"), capture_output=True, text=True, timeout=300)
     _refused_in_one_line(r, "desirable_weight=2.0 has no effect with loss_type='sigmoid'")
     assert not list((tmp_path / "out").glob("*/checkpoints/*"))
+
+
+KTO_ARGS = {"beta": (0.1, 0.7), "desirable_weight": (1.0, 1.5), "undesirable_weight": (1.0, 2.0),
+            "label_smoothing": (0.0, 0.2), "lambda_orpo": (0.1, 0.9), "simpo_gamma": (0.5, 2.0)}
+
+
+@pytest.mark.parametrize("key", sorted(KTO_ARGS))
+def test_a_key_is_accepted_under_kto_exactly_when_kto_loss_reads_it(tmp_path, key):
+    """Measured, not declared (as tests/test_first_hour_round4.py does for the paired losses): a key moved from its
+    default is accepted with loss_type=kto exactly when moving it moves `kto_loss` on random inputs (a key kto_loss
+    has no argument for does not), and refused in one line otherwise."""
+    import inspect
+    from maxpost.preference_loss import kto_loss
+    rng = np.random.default_rng(0)
+    pol, ref, pk, rk = (-rng.uniform(5, 30, 6).astype(np.float32) for _ in range(4))
+    labels = np.array([1, 0, 1, 1, 0, 0], bool)
+    a, b = KTO_ARGS[key]
+    reads = key in inspect.signature(kto_loss).parameters and not np.isclose(
+        *[float(kto_loss(pol, ref, labels, pk, rk, **{key: v})[0]) for v in (a, b)], rtol=1e-6, atol=0)
+    args = [f"base_output_directory={tmp_path}", "loss_type=kto", f"{key}={b}"]
+    assert reads == (key in ("beta", "desirable_weight", "undesirable_weight"))
+    if reads: assert getattr(load_config("dpo", args), key) == b
+    else:
+        with pytest.raises(ConfigError, match=f"{key}=.* has no effect with loss_type='kto'"): load_config("dpo", args)
