@@ -592,7 +592,7 @@ class EpisodeConfig:
     max_episode_tokens: int = key(0, non_negative=True,
         help="with environment=: tokens after the first prompt (model and environment turns) at most, the width of "
              "the trained batch; 0 = max_turns x max_turn_tokens")
-    environment_timeout_s: float = key(ENVIRONMENT_TIMEOUT_S, positive=True, resumable=True,
+    environment_timeout_s: float = key(ENVIRONMENT_TIMEOUT_S, positive=True,
         help="with environment=: a call of the environment's factory, reset or step past it ends its episode as an "
              "error (the environment's worker process is stopped)")
 
