@@ -328,7 +328,6 @@ class _Failure(Exception): "An environment call that failed in its worker proces
 
 def _why(ex: BaseException) -> str: return str(ex) if isinstance(ex, _Failure) else describe(ex)
 
-
 # %% ../nbs/13b_environments.ipynb
 @dataclasses.dataclass
 class _Episode:
@@ -503,7 +502,6 @@ class _EnvWorker(Worker):
     "An environment factory and the environments it made, in a Python process of their own."
     serve = "from maxpost.environments import _serve_environments; _serve_environments({fd})"
 
-
 # %% ../nbs/13b_environments.ipynb
 class _EnvHost:
     "The trainer's side of an environment worker: `call` sends one request and waits at most the time limit for its answer."
@@ -538,7 +536,6 @@ class _RemoteEnvironment:
 
     def reset(self, example: dict) -> list[dict]: return self.host.call(self, "reset", example, self.timeout_s)
     def step(self, text: str): return self.host.call(self, "step", text, self.timeout_s)
-
 
 # %% ../nbs/13b_environments.ipynb
 class _Unavailable:
@@ -578,7 +575,6 @@ def make_environments(factory: Callable[[], Environment], n: int, *, timeout_s: 
             out.append(_Unavailable(str(e)))
             if env.generation != host.generation: gone = f"not made: {e} on an earlier episode of this batch"
     return out
-
 
 # %% ../nbs/13b_environments.ipynb
 @dataclasses.dataclass
