@@ -14,7 +14,7 @@ import numpy as np
 from . import tasks
 from .config import ConfigError, key
 from .prompts import stop_token_ids
-from .workers import NotIsolated, Worker, describe, serve
+from .workers import START_S, NotIsolated, Worker, describe, serve
 
 _log = logging.getLogger(__name__)
 
@@ -512,12 +512,13 @@ class _EnvHost:
     def call(self, env, op: str, arg, timeout_s: float):
         if env.generation != self.generation: raise _Failure(self.lost)
         what = "the environment factory" if op == "make" else f"the environment's {op}"
-        drop, self.drop = self.drop, []
+        drop, self.drop, fresh = self.drop, [], not self.worker.ready
         try: self.worker.send(None, op, env.key, arg, drop)
         except NotIsolated as e: raise _Failure(f"{what} could not run: {e}") from None
-        msg = self.worker.next(timeout_s)
+        limit = max(timeout_s, START_S) if fresh and op == "make" else timeout_s   # a fresh process's first make imports
+        msg = self.worker.next(limit)
         if msg is None or msg[0] == "died":                # stopped or dead: the environments it held are gone
-            why = (f"{what} ran past {timeout_s:g} s (environment_timeout_s) and was stopped" if msg is None
+            why = (f"{what} ran past {limit:g} s (environment_timeout_s) and was stopped" if msg is None
                    else f"{what} {msg[-1]}")
             self.worker.stop(); self.generation += 1
             self.lost = f"its environment was lost with its worker process, which another episode ended: {why}"

@@ -27,7 +27,14 @@ class _HangsInStep(_Talks):
     def step(self, text): time.sleep(3600)
 
 
-def _hangs_in_factory(): time.sleep(3600)
+_MADE = []     # in the environment's worker process: the environments its factory made
+
+
+def _hangs_in_factory():
+    "Makes one environment, then never returns (the first make of a fresh worker may take START_S: its imports)."
+    if _MADE: time.sleep(3600)
+    _MADE.append(1)
+    return _Talks()
 
 
 HANGS = {"factory": _hangs_in_factory, "reset": _HangsInReset, "step": _HangsInStep}
