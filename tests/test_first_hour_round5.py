@@ -58,7 +58,7 @@ def test_a_hanging_environment_ends_its_episodes_within_the_limit_in_one_line(me
     t0 = time.perf_counter()
     with caplog.at_level(logging.WARNING, logger="maxpost.environments"):
         ep = _play(HANGS[method], timeout_s=LIMIT)
-    assert time.perf_counter() - t0 < 60, "the rollout waited far past the limit"      # a hang guard, not a timing
+    assert time.perf_counter() - t0 < 300, "the rollout waited far past the limit"    # a hang guard (they sleep an hour)
     assert all(e is not None for e in ep.env_errors) and ep.completion_mask.sum() == 0 and ep.rewards.sum() == 0
     assert f"{NAMES[method]} ran past {LIMIT:g} s (environment_timeout_s)" in ep.env_errors[0], ep.env_errors
     assert all(f"ran past {LIMIT:g} s" in e for e in ep.env_errors), ep.env_errors
