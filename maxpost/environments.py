@@ -14,16 +14,16 @@ import numpy as np
 from . import tasks
 from .config import ConfigError, key
 from .prompts import stop_token_ids
-from .workers import NotIsolated, Worker, describe, serve
+from .workers import START_S, NotIsolated, Worker, describe, serve
 
 _log = logging.getLogger(__name__)
 
 # %% auto 0
-__all__ = ['MAX_CALCULATOR_VALUE', 'TOOL_CALL_OPEN', 'TOOL_CALL_CLOSE', 'MAX_TOOL_OUTPUT_CHARS', 'TOOL_ISOLATION', 'ENVIRONMENTS',
-           'Environment', 'tool_schema', 'calculator', 'ToolCall', 'parse_tool_calls', 'tool_call_format',
-           'format_tool_call', 'Toolbox', 'ToolEnvironment', 'continuation_ids', 'Episodes', 'as_engine',
-           'rollout_episodes', 'ScriptedEngine', 'calculator_environment', 'environment_factory', 'make_environments',
-           'EpisodeConfig', 'episode_limits', 'episode_problems']
+__all__ = ['MAX_CALCULATOR_VALUE', 'TOOL_CALL_OPEN', 'TOOL_CALL_CLOSE', 'MAX_TOOL_OUTPUT_CHARS', 'TOOL_ISOLATION',
+           'MAX_CHARS_PER_TOKEN', 'ENVIRONMENTS', 'ENVIRONMENT_TIMEOUT_S', 'Environment', 'tool_schema', 'calculator',
+           'ToolCall', 'parse_tool_calls', 'tool_call_format', 'format_tool_call', 'Toolbox', 'ToolEnvironment',
+           'continuation_ids', 'Episodes', 'as_engine', 'rollout_episodes', 'ScriptedEngine', 'calculator_environment',
+           'environment_factory', 'make_environments', 'EpisodeConfig', 'episode_limits', 'episode_problems']
 
 # %% ../nbs/13b_environments.ipynb
 @runtime_checkable
@@ -253,14 +253,16 @@ class Episodes:
     text: list                    # [B] the model's turns joined: what reward functions score
     messages: list                # [B] the conversation as messages (the model's turns as decoded)
     num_truncated_prompts: int = 0
+    num_cut_messages: int = 0     # environment messages cut to the character cap before tokenizing
 
 # %% ../nbs/13b_environments.ipynb
 def _episodes_metrics(self: Episodes) -> dict:
-    "Per-rollout metrics: turns per episode, tool calls and errors, the share of episodes that used a tool, truncated and failed episodes."
+    "Per-rollout metrics: turns per episode, tool calls and errors, the share of episodes that used a tool, truncated and failed episodes, cut messages."
     failed = np.array([e is not None for e in self.env_errors])
     return {"episodes/turns": float(self.turns.mean()), "episodes/tool_calls": float(self.tool_calls.mean()),
             "episodes/tool_errors": float(self.tool_errors.mean()), "episodes/tool_use": float((self.tool_calls > 0).mean()),
             "episodes/truncated": float(self.truncated.mean()), "episodes/env_errors": int(failed.sum()),
+            "episodes/cut_messages": int(self.num_cut_messages),
             "episodes/sampled_tokens": float(self.completion_mask.sum(1).mean()),
             "episodes/env_tokens": float(((self.turn_ids < 0) & (np.arange(self.turn_ids.shape[1]) < _lengths(self)[:, None])).sum(1).mean())}
 
@@ -299,6 +301,34 @@ def _check_step(out) -> tuple[list[dict], float, bool]:
     return messages, reward, bool(done)
 
 # %% ../nbs/13b_environments.ipynb
+MAX_CHARS_PER_TOKEN = 8      # an environment message keeps at most 8 characters per token of room, cut before it is tokenized
+
+def _cap_messages(messages: list[dict], max_chars: int, keep_end: bool = False) -> tuple[list[dict], int]:
+    "`messages` with their contents cut to `max_chars` characters in all (from the first message on, or from the last with `keep_end`), and how many were cut."
+    out, left, cut = [], max(0, max_chars), 0
+    for m in (reversed(messages) if keep_end else messages):
+        c = m.get("content")
+        if isinstance(c, str):
+            if len(c) > left: m, cut = {**m, "content": c[len(c) - left:] if keep_end else c[:left]}, cut + 1
+            left -= len(m["content"])
+        out.append(m)
+    return (out[::-1] if keep_end else out), cut
+
+_WARNED: set = set()
+
+def _warn_cut(n: int, T: int) -> None:
+    "One warning per process that environment messages were cut (`episodes/cut_messages` counts them at every rollout)."
+    if "cut" in _WARNED: return
+    _WARNED.add("cut")
+    _log.warning("%d environment message(s) longer than the episode's room (%d characters per token of max_episode_tokens=%d, "
+                 "or of max_prompt_length for the first prompt) were cut to it before tokenizing; episodes/cut_messages "
+                 "counts them", n, MAX_CHARS_PER_TOKEN, T)
+
+class _Failure(Exception): "An environment call that failed in its worker process; the message says how, in full."
+
+def _why(ex: BaseException) -> str: return str(ex) if isinstance(ex, _Failure) else describe(ex)
+
+# %% ../nbs/13b_environments.ipynb
 @dataclasses.dataclass
 class _Episode:
     "One episode while it runs."
@@ -314,6 +344,7 @@ class _Episode:
     done: bool = False
     truncated: bool = False
     error: str | None = None
+    cut: int = 0                   # environment messages cut to the character cap
 
     def fail(self, why: str):
         self.error, self.done, self.reward = why, True, 0.0
@@ -321,13 +352,13 @@ class _Episode:
 def _open(e: _Episode, example: dict, tokenizer, max_prompt_length: int, pad_id: int, template_kw: dict) -> int:
     "Reset the environment and render the first prompt (with the environment's tools, if any); 1 when it was cut from the left."
     try:
-        e.messages = [dict(m) for m in e.env.reset(example)]
+        e.messages, e.cut = _cap_messages([dict(m) for m in e.env.reset(example)], MAX_CHARS_PER_TOKEN * max_prompt_length, keep_end=True)
         tools = getattr(e.env, "tools", None) or None
         text = tokenizer.apply_chat_template(e.messages, tools=tools, tokenize=False, add_generation_prompt=True, **template_kw)
         e.prompt = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         if not e.prompt: raise ValueError("the first prompt has no tokens")
     except Exception as ex:
-        e.prompt = [pad_id]; e.fail(f"reset failed: {describe(ex)}"); return 0
+        e.prompt = [pad_id]; e.fail(f"reset failed: {_why(ex)}"); return 0
     cut = len(e.prompt) > max_prompt_length
     e.prompt = e.prompt[-max_prompt_length:]
     return int(cut)
@@ -348,8 +379,10 @@ def _advance(e: _Episode, turn: int, ids, logps, tokenizer, eos: set, max_episod
         e.reward += reward
         if done: e.done = True; return
         if last: e.done = e.truncated = True; return              # max_turns played: no turn to answer
+        messages, cut = _cap_messages(messages, MAX_CHARS_PER_TOKEN * (max_episode_tokens - len(e.ids)))
+        e.cut += cut
         more = continuation_ids(tokenizer, messages, tokenizer.decode([ids[-1]]), template_kw)
-    except Exception as ex: e.fail(f"step failed: {describe(ex)}"); return
+    except Exception as ex: e.fail(f"step failed: {_why(ex)}"); return
     if len(e.ids) + len(more) >= max_episode_tokens: e.done = e.truncated = True; return   # no room left to answer
     e.ids += more; e.mask += [0] * len(more); e.logps += [0.0] * len(more); e.turn_ids += [-1] * len(more)
     e.messages += messages
@@ -395,11 +428,12 @@ def _assemble(eps: list[_Episode], max_prompt_length: int, T: int, pad_id: int, 
     count = lambda name: np.array([int(getattr(e.env, name, 0) or 0) if e.error is None else 0 for e in eps], np.int32)
     if (failed := [e.error for e in eps if e.error]):
         _log.warning("%d of %d episodes ended with an environment error (reward 0, no loss); the first: %s", len(failed), B, failed[0])
+    if (n_msgs := sum(e.cut for e in eps)): _warn_cut(n_msgs, T)
     return Episodes(p_ids, p_mask, c_ids, c_mask, np.where(c_mask > 0, logps, 0.0).astype(np.float32), turn_ids,
                     np.array([e.reward for e in eps], np.float32), np.array([e.turns for e in eps], np.int32),
                     count("tool_calls"), count("tool_errors"), np.array([e.truncated for e in eps]),
                     [e.error for e in eps], ["".join(m["content"] for m in e.messages if m["role"] == "assistant") for e in eps],
-                    [e.messages for e in eps], n_cut)
+                    [e.messages for e in eps], n_cut, n_msgs)
 
 # %% ../nbs/13b_environments.ipynb
 class ScriptedEngine:
@@ -444,18 +478,103 @@ def environment_factory(name: str) -> Callable[[], Environment]:
     return factory
 
 # %% ../nbs/13b_environments.ipynb
+ENVIRONMENT_TIMEOUT_S = 60.0      # default time limit of one call of an environment's factory, reset or step
+_ENVS: dict = {}                  # in an environment worker process: key -> the environment its factory made
+
+def _answer_env(factory, op: str, key: int, arg, drop: list):
+    "An environment worker's answer to one request: make, reset or step the environment `key`, after forgetting those in `drop`."
+    for k in drop: _ENVS.pop(k, None)
+    try:
+        if op == "make": _ENVS[key], out = factory(), None
+        elif op == "reset": out = [dict(m) for m in _ENVS[key].reset(arg)]
+        else: out = _ENVS[key].step(arg)
+        env = _ENVS[key]
+        out = out, {k: getattr(env, k) for k in ("tools", "tool_calls", "tool_errors") if hasattr(env, k)}
+        pickle.dumps(out)                                   # what cannot go back to the trainer fails here, with its reason
+    except Exception as e: yield ("done", False, describe(e)); return
+    yield ("done", True, out)
+
+def _serve_environments(fd: int) -> None:
+    "An environment worker process (chapter `12f_workers`'s `serve`): load the factory, then answer requests until the trainer closes the connection."
+    serve(fd, _answer_env, "the environment factory")
+
+class _EnvWorker(Worker):
+    "An environment factory and the environments it made, in a Python process of their own."
+    serve = "from maxpost.environments import _serve_environments; _serve_environments({fd})"
+
+# %% ../nbs/13b_environments.ipynb
+class _EnvHost:
+    "The trainer's side of an environment worker: `call` sends one request and waits at most the time limit for its answer."
+    def __init__(self, factory):
+        self.worker, self.generation, self.lost, self.keys, self.drop = _EnvWorker(factory), 0, "", 0, []
+        weakref.finalize(self, self.worker.stop)
+
+    def call(self, env, op: str, arg, timeout_s: float):
+        if env.generation != self.generation: raise _Failure(self.lost)
+        what = "the environment factory" if op == "make" else f"the environment's {op}"
+        drop, self.drop, fresh = self.drop, [], not self.worker.ready
+        try: self.worker.send(None, op, env.key, arg, drop)
+        except NotIsolated as e: raise _Failure(f"{what} could not run: {e}") from None
+        limit = max(timeout_s, START_S) if fresh and op == "make" else timeout_s   # a fresh process's first make imports
+        msg = self.worker.next(limit)
+        if msg is None or msg[0] == "died":                # stopped or dead: the environments it held are gone
+            why = (f"{what} ran past {limit:g} s (environment_timeout_s) and was stopped" if msg is None
+                   else f"{what} {msg[-1]}")
+            self.worker.stop(); self.generation += 1
+            self.lost = f"its environment was lost with its worker process, which another episode ended: {why}"
+            raise _Failure(why)
+        if not msg[1]: raise _Failure(f"the environment factory raised {msg[2]}" if op == "make" else msg[2])
+        out, attrs = msg[2]
+        env.__dict__.update(attrs)                          # tools, tool_calls, tool_errors as the trainer reads them
+        return out
+
+class _RemoteEnvironment:
+    "An environment its factory made in a worker process: `reset` and `step` run there, each within `timeout_s`."
+    def __init__(self, host: _EnvHost, timeout_s: float):
+        self.host, self.timeout_s, self.key, self.generation = host, timeout_s, host.keys, host.generation
+        host.keys += 1
+        weakref.finalize(self, host.drop.append, self.key)   # the worker forgets it with the next request
+
+    def reset(self, example: dict) -> list[dict]: return self.host.call(self, "reset", example, self.timeout_s)
+    def step(self, text: str): return self.host.call(self, "step", text, self.timeout_s)
+
+# %% ../nbs/13b_environments.ipynb
 class _Unavailable:
     "The stand-in for an environment its factory failed to make: its episode fails at `reset` (reward 0, no loss)."
     def __init__(self, why: str): self.why = why
     def reset(self, example): raise RuntimeError(self.why)
     def step(self, text): raise RuntimeError(self.why)
 
-def make_environments(factory: Callable[[], Environment], n: int) -> list:
-    "`n` fresh environments from `factory`; one it fails to make is a stand-in whose episode fails, so the run goes on."
-    out = []
+_HOSTS = weakref.WeakKeyDictionary()     # factory -> {thread id: its _EnvHost}
+
+def _host(factory) -> _EnvHost | None:
+    "The environment worker of `factory` for this thread (one process, started at its first call); None when it cannot have one."
+    try: hosts = _HOSTS.setdefault(factory, {})
+    except TypeError: hosts = {}                           # not weakly referable: a host of its own, for this call
+    if (h := hosts.get(threading.get_ident())) is None:
+        try: h = hosts[threading.get_ident()] = _EnvHost(factory)
+        except NotIsolated as e:
+            _log.warning("the environment runs in the trainer's process, without a time limit: %s", e); return None
+    return h
+
+def make_environments(factory: Callable[[], Environment], n: int, *, timeout_s: float = ENVIRONMENT_TIMEOUT_S,
+                      isolation: str = "process") -> list:
+    "`n` fresh environments from `factory`, made in a worker process (`isolation='process'`) whose calls each end within `timeout_s`, or in this one (`'inline'`); one it fails to make is a stand-in whose episode fails, so the run goes on."
+    if isolation not in TOOL_ISOLATION: raise ValueError(f"isolation must be one of {TOOL_ISOLATION}, got {isolation!r}")
+    if isolation == "inline" or (host := _host(factory)) is None:
+        out = []
+        for _ in range(n):
+            try: out.append(factory())
+            except Exception as e: out.append(_Unavailable(f"the environment factory raised {describe(e)}"))
+        return out
+    out, gone = [], None
     for _ in range(n):
-        try: out.append(factory())
-        except Exception as e: out.append(_Unavailable(f"the environment factory raised {describe(e)}"))
+        env = _RemoteEnvironment(host, timeout_s)
+        if gone: out.append(_Unavailable(gone)); continue   # a hung factory is not called again for this batch
+        try: host.call(env, "make", None, timeout_s); out.append(env)
+        except _Failure as e:
+            out.append(_Unavailable(str(e)))
+            if env.generation != host.generation: gone = f"not made: {e} on an earlier episode of this batch"
     return out
 
 # %% ../nbs/13b_environments.ipynb
@@ -470,6 +589,9 @@ class EpisodeConfig:
     max_episode_tokens: int = key(0, non_negative=True,
         help="with environment=: tokens after the first prompt (model and environment turns) at most, the width of "
              "the trained batch; 0 = max_turns x max_turn_tokens")
+    environment_timeout_s: float = key(ENVIRONMENT_TIMEOUT_S, positive=True,
+        help="with environment=: a call of the environment's factory, reset or step past it ends its episode as an "
+             "error (the environment's worker process is stopped)")
 
 def episode_limits(cfg) -> dict:
     "`rollout_episodes`' limits from a config with `EpisodeConfig`'s keys (its zeros resolved)."

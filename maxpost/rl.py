@@ -501,7 +501,7 @@ def _episode_rollout(self: RLTrainer, examples: list[dict], index: int, engine, 
     cfg, G = self.cfg, self.cfg.num_generations
     group = [e for e in examples for _ in range(G)]
     t0 = time.perf_counter()
-    ep = rollout_episodes(engine or self.engine, self.tokenizer, make_environments(self.environment, len(group)), group,
+    ep = rollout_episodes(engine or self.engine, self.tokenizer, make_environments(self.environment, len(group), timeout_s=cfg.environment_timeout_s), group,
                           max_prompt_length=cfg.max_prompt_length, temperature=cfg.temperature, top_k=cfg.top_k,
                           top_p=cfg.top_p, eos_ids=self.sampling["eos_ids"], pad_id=self.sampling["pad_id"],
                           seed=cfg.seed * 1_000_003 + index, **episode_limits(cfg))
