@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_train.ipynb 4
 from __future__ import annotations
-import contextlib, dataclasses, json, math, queue, shutil, signal, sys, threading, time
+import contextlib, dataclasses, json, math, shutil, signal, sys, time
 from pathlib import Path
 from typing import Any, Sequence
 
