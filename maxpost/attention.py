@@ -194,6 +194,7 @@ def _flash_backward(scale, window, causal: bool, bq: int, bk: int, res, do_btnh)
     return (_unblocked(dq, t, n), dk[..., :s].astype(k_bkhs.dtype), dv[:, :, :s].astype(v_bksh.dtype),
             Spans(None, None, None, None))
 
+# %% ../nbs/01b_attention.ipynb
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def _flash(q_btnh, k_bkhs, v_bksh, spans, scale, window, causal, bq, bk):
     return _flash_forward(q_btnh, k_bkhs, v_bksh, spans, scale, window, causal, bq, bk)[0]

@@ -62,6 +62,7 @@ _GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_
                              sliding_window=4096, max_position_embeddings=131_072, tie_word_embeddings=True,
                              hidden_activation="gelu_pytorch_tanh")
 
+# %% ../nbs/03_checkpoint.ipynb
 def hf_config_to_model_config(d: dict) -> ModelConfig:
     "A `ModelConfig` from a Hugging Face `config.json` dict."
     family = _family(d)
@@ -238,6 +239,7 @@ def _layer_count(names, prefix: str) -> int:
     start = f"{prefix}layers."
     return 1 + max((int(k[len(start):].split(".")[0]) for k in names if k.startswith(start)), default=-1)
 
+# %% ../nbs/03_checkpoint.ipynb
 def load_hf(path, *, dtype=jnp.float32, mesh=None, remat: str = "none", compute_dtype=None) -> Decoder:
     "A `Decoder` from a Hugging Face checkpoint directory, weights in `dtype` (computing in `compute_dtype`, default `dtype`); weights go straight to their shards on `mesh`."
     path = Path(path)
@@ -383,6 +385,7 @@ def _drop_closed_loop_tracebacks() -> None:
     if shell is not None and not getattr(shell.excepthook, "maxpost_quiet", False):   # to its own at each cell: that too
         shell.excepthook = quiet(shell.excepthook)
 
+# %% ../nbs/03_checkpoint.ipynb
 class _OrbaxUnretrieved(logging.Filter):
     "Drops asyncio's \"<Task, Future, _GatheringFuture> exception was never retrieved\" for Orbax's writes that a failed save abandoned (logged when they are collected, sometimes after the error was reported)."
     def filter(self, record) -> bool:
@@ -393,6 +396,7 @@ class _OrbaxThreadFailure(logging.Filter):
     "Drops Orbax's traceback of a writer thread that failed: the thread keeps the exception and `wait_until_finished` raises it (our `CheckpointError`); a thread still failing after that was raised would log it after the level is back."
     def filter(self, record) -> bool: return "_SignalingThread.run() raised an exception" not in str(record.msg)
 
+# %% ../nbs/03_checkpoint.ipynb
 _ABSL = {"saves": 0, "level": logging.NOTSET}   # saves in flight, and the absl level to restore when none is
 
 def _quiet_orbax() -> None:
@@ -410,7 +414,6 @@ def _loud_orbax() -> None:
     "A save ended: with none left in flight, absl logs at its level again."
     _ABSL["saves"] = max(_ABSL["saves"] - 1, 0)
     if _ABSL["saves"] == 0: logging.getLogger("absl").setLevel(_ABSL["level"])
-
 
 # %% ../nbs/03_checkpoint.ipynb
 def _release_orbax_threads() -> None:
@@ -516,6 +519,7 @@ def _per_layer_step(mgr: ocp.CheckpointManager, step: int) -> bool:
     keys = json.loads(f.read_text()).get("tree_metadata", {})
     return any("('layers', '0'," in k for k in keys)
 
+# %% ../nbs/03_checkpoint.ipynb
 def _per_layer_target(like, on_disk) -> tuple:
     "For a stacked `like` tree: the restore target of its per-layer layout in the structure of the checkpoint's tree `on_disk` (each array under a `layers` key split into `layers/<i>`, on one layer's sharding), and each leaf's on-disk paths (one, or L)."
     flat, sources = jax.tree_util.tree_flatten_with_path(_abstract(like))[0], []
@@ -537,6 +541,7 @@ def _per_layer_target(like, on_disk) -> tuple:
     at = lambda path: functools.reduce(lambda d, p: d[p], [_key(k) for k in path], target)
     return jax.tree_util.tree_map_with_path(lambda path, _: at(path), on_disk), sources
 
+# %% ../nbs/03_checkpoint.ipynb
 def _stacked_from(restored: dict, like, sources: list):
     "The per-layer `restored` tree in `like`'s stacked structure and shardings (convert on read)."
     get = lambda k: functools.reduce(lambda d, p: d[int(p)] if isinstance(d, (list, tuple)) else d[p], k, restored)

@@ -8,6 +8,7 @@ import difflib, importlib.util, json, os, re, time
 _IMPORTED = time.time()   # when maxpost's first module was imported (chapter 08 times a run's start-up from it)
 from dataclasses import dataclass, field, fields, MISSING as _NO_DEFAULT
 from pathlib import Path
+from fastcore.basics import patch
 from typing import Any, Callable, Optional, Sequence
 
 from omegaconf import OmegaConf, MISSING
@@ -88,12 +89,9 @@ class RunConfig:
     param_dtype: str = key("float32", choices=DTYPES, help="dtype the weights are kept in")
     attention: str = key("auto", choices=ATTENTION_IMPLEMENTATIONS, resumable=True,
         help="the attention kernel; auto = cudnn on GPU, splash on TPU, else blockwise")
-    data_parallelism: int = key(1, resumable=True,
-        help="mesh axis size for data parallelism; -1 = all remaining devices")
-    fsdp_parallelism: int = key(-1, resumable=True,
-        help="mesh axis size for sharded weights (FSDP); -1 = all remaining devices")
-    tensor_parallelism: int = key(1, resumable=True,
-        help="mesh axis size for tensor parallelism; -1 = all remaining devices")
+    data_parallelism: int = key(1, resumable=True, help="mesh axis size for data parallelism; -1 = all remaining devices")
+    fsdp_parallelism: int = key(-1, resumable=True, help="mesh axis size for sharded weights (FSDP); -1 = all remaining devices")
+    tensor_parallelism: int = key(1, resumable=True, help="mesh axis size for tensor parallelism; -1 = all remaining devices")
     coordinator_address: str = key("", resumable=True,
         help="jax.distributed coordinator host:port for several processes; \"\" = read the environment or one process")
     num_processes: int = key(-1, resumable=True, help="processes of a multi-process run; -1 = from the environment")
@@ -104,42 +102,44 @@ class RunConfig:
     embedded_task: str = key("default", choices=("default", "calculator"),
         help="with dataset_name=\"\": the embedded task's variant; calculator = a share of the SFT demonstrations call a "
              "calculator tool (chapter 05; for maxpost rl environment=calculator)")
-    dataset_config: str = key("",
-        help="the dataset's configuration name (reasoning_gym: seed=..,train_size=..,<options>)")
+    dataset_config: str = key("", help="the dataset's configuration name (reasoning_gym: seed=..,train_size=..,<options>)")
     eval_dataset_name: str = key("", help="held-out data of its own; \"\" = the eval_split of dataset_name")
     eval_split: str = key("test", help="the held-out split (slices such as test[:64] select rows)")
     compilation_cache_dir: str = key("auto", resumable=True,
         help="JAX's persistent compilation cache, so that a rerun or a resume compiles nothing; auto = JAX's "
              "jax_compilation_cache_dir when set, else ~/.cache/maxpost/jax; \"\" = off")
-
     def __post_init__(self):
         if self.dtype == "auto": self.dtype = resolve_dtype(self.dtype, multi_process=self._multi_process())
 
-    def _multi_process(self) -> bool:
-        return bool(self.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")) or self.num_processes > 1
+# %% ../nbs/00_config.ipynb
+@patch
+def _multi_process(self: RunConfig) -> bool:
+    return bool(self.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")) or self.num_processes > 1
 
-    @classmethod
-    def defaults_from(cls, values: dict) -> dict:
-        "Values that a `None` of this class's keys stands for, given the other `values`; a subclass with such keys says them."
-        return {}
+@patch(cls_method=True)
+def defaults_from(cls: RunConfig, values: dict) -> dict:
+    "Values that a `None` of this class's keys stands for, given the other `values`; a subclass with such keys says them."
+    return {}
 
-    def problems(self) -> list[str]:
-        "What is wrong with this config, each problem a sentence naming its key; a subclass adds its keys' relations."
-        missing = [f.name for f in fields(self) if getattr(self, f.name) == MISSING]
-        out = [f"missing required value(s): {', '.join(missing)} (pass e.g. {missing[0]}=...)"] if missing else []
-        out += value_problems(self)
-        for name in ("data_parallelism", "fsdp_parallelism", "tensor_parallelism"):
-            v = getattr(self, name)
-            if v == 0 or v < -1: out.append(f"{name}={v} must be a positive size or -1 (all remaining devices)")
-        # an empty run_name passes where it is the class's default: that command names its own directory
-        empty_ok = next(f.default for f in fields(self) if f.name == "run_name") == ""
-        if self.run_name != MISSING and (p := check_run_name(self.run_name, empty_ok=empty_ok)): out.append(p)
-        if self.embedded_task != "default" and self.dataset_name:   # the variant names files of the embedded task only
-            out.append(f"embedded_task={self.embedded_task!r} applies to the embedded task, not to dataset_name="
-                       f"{self.dataset_name!r}: drop one of the two")
-        return out
+# %% ../nbs/00_config.ipynb
+@patch
+def problems(self: RunConfig) -> list[str]:
+    "What is wrong with this config, each problem a sentence naming its key; a subclass adds its keys' relations."
+    missing = [f.name for f in fields(self) if getattr(self, f.name) == MISSING]
+    out = [f"missing required value(s): {', '.join(missing)} (pass e.g. {missing[0]}=...)"] if missing else []
+    out += value_problems(self)
+    for name in ("data_parallelism", "fsdp_parallelism", "tensor_parallelism"):
+        v = getattr(self, name)
+        if v == 0 or v < -1: out.append(f"{name}={v} must be a positive size or -1 (all remaining devices)")
+    # an empty run_name passes where it is the class's default: that command names its own directory
+    empty_ok = next(f.default for f in fields(self) if f.name == "run_name") == ""
+    if self.run_name != MISSING and (p := check_run_name(self.run_name, empty_ok=empty_ok)): out.append(p)
+    if self.embedded_task != "default" and self.dataset_name:   # the variant names files of the embedded task only
+        out.append(f"embedded_task={self.embedded_task!r} applies to the embedded task, not to dataset_name="
+                   f"{self.dataset_name!r}: drop one of the two")
+    return out
 
-
+# %% ../nbs/00_config.ipynb
 @dataclass
 class QAConfig(RunConfig):
     "The columns of a question/answer dataset, which SFT (its question_answer format), RL and evaluation read."
@@ -169,13 +169,11 @@ class TrainConfig(RunConfig):
     train_split: str = key("train", help="the training split (slices such as train[:256] select rows)")
     eval_on_train: bool = key(False, help="allow the held-out split to be the training split (on purpose)")
     steps: int = key(100, positive=True, resumable=True, help="optimizer steps of the run")
-    global_batch_size: int = key(16, positive=True,
-        help="examples (RL: completions) per optimizer step, over all devices")
+    global_batch_size: int = key(16, positive=True, help="examples (RL: completions) per optimizer step, over all devices")
     gradient_accumulation_steps: int = key(1, positive=True, resumable=True,
         help="micro-batches per optimizer step: less memory, the same gradient")
     learning_rate: float = key(3e-4, positive=True, resumable=True, help="peak learning rate")
-    lr_schedule: str = key("cosine", choices=LR_SCHEDULES, resumable=True,
-        help="the learning-rate schedule after warmup")
+    lr_schedule: str = key("cosine", choices=LR_SCHEDULES, resumable=True, help="the learning-rate schedule after warmup")
     warmup_steps: int = key(10, non_negative=True, resumable=True, help="steps of linear warmup from 0")
     weight_decay: float = key(0.0, non_negative=True, resumable=True, help="AdamW weight decay")
     adam_b1: float = key(0.9, interval="[0, 1)", resumable=True, help="Adam's first-moment decay")
@@ -189,16 +187,12 @@ class TrainConfig(RunConfig):
     check_memory: bool = key(True, resumable=True, help="compile the step first and stop if it cannot fit the device")
     # bookkeeping
     log_period: int = key(10, positive=True, resumable=True, help="log metrics every this many steps")
-    eval_interval: int = key(0, non_negative=True, resumable=True,
-        help="evaluate every this many steps; 0 = only at the end")
-    checkpoint_period: int = key(100, positive=True, resumable=True,
-        help="save a checkpoint every this many steps (and at the end)")
-    max_checkpoints_to_keep: int = key(2, positive=True, resumable=True,
-        help="newest checkpoints kept; older ones are deleted")
+    eval_interval: int = key(0, non_negative=True, resumable=True, help="evaluate every this many steps; 0 = only at the end")
+    checkpoint_period: int = key(100, positive=True, resumable=True, help="save a checkpoint every this many steps (and at the end)")
+    max_checkpoints_to_keep: int = key(2, positive=True, resumable=True, help="newest checkpoints kept; older ones are deleted")
     save_hf: bool = key(False, resumable=True,
         help="also write a Hugging Face directory {run_dir}/hf at the end (with LoRA: the merged model)")
-    lora_rank: int = key(0, non_negative=True,
-        help="rank of LoRA adapters trained on a frozen base; 0 = train every weight")
+    lora_rank: int = key(0, non_negative=True, help="rank of LoRA adapters trained on a frozen base; 0 = train every weight")
     lora_alpha: float = key(32.0, positive=True,
         help="the adapters' update is scaled by lora_alpha / lora_rank (/ sqrt(lora_rank) with rsLoRA)")
     lora_target_modules: str = key("all-linear",
@@ -206,25 +200,28 @@ class TrainConfig(RunConfig):
     lora_dropout: float = key(0.0, help="only 0: maxpost applies no dropout to the adapters' input")
     lora_use_rslora: bool = key(False, help="scale by lora_alpha / sqrt(lora_rank) (rsLoRA, Kalajdzievski 2023)")
     load_adapter_path: str = key("", help="a peft adapter directory the adapters start from (same rank and targets)")
-    save_adapter: bool = key(False, resumable=True,
-        help="also write the adapters as a peft directory {run_dir}/adapter at the end")
+    save_adapter: bool = key(False, resumable=True, help="also write the adapters as a peft directory {run_dir}/adapter at the end")
 
-    def batch_problems(self) -> list[str]:
-        "How the global batch splits into micro-batches."
-        B, A = self.global_batch_size, self.gradient_accumulation_steps
-        return [f"global_batch_size={B} must be a multiple of gradient_accumulation_steps={A}"] if B % max(A, 1) else []
+# %% ../nbs/00_config.ipynb
+@patch
+def batch_problems(self: TrainConfig) -> list[str]:
+    "How the global batch splits into micro-batches."
+    B, A = self.global_batch_size, self.gradient_accumulation_steps
+    return [f"global_batch_size={B} must be a multiple of gradient_accumulation_steps={A}"] if B % max(A, 1) else []
 
-    def problems(self) -> list[str]:
-        "The run's problems, the batch's, and the LoRA keys': target names (`LORA_TARGETS`), dropout, keys that need a rank."
-        out = super().problems() + self.batch_problems()
-        if p := target_modules_problem(self.lora_target_modules): out.append(p)
-        if self.lora_dropout != 0:
-            out.append(f"lora_dropout={self.lora_dropout} is not supported: maxpost applies no dropout to the adapters; "
-                       "set lora_dropout=0")
-        if self.lora_rank == 0:
-            out += [f"{k}={getattr(self, k)!r} needs adapters: set lora_rank= (e.g. 8)"
-                    for k in ("load_adapter_path", "save_adapter") if getattr(self, k)]
-        return out
+# %% ../nbs/00_config.ipynb
+@patch
+def problems(self: TrainConfig) -> list[str]:
+    "The run's problems, the batch's, and the LoRA keys': target names (`LORA_TARGETS`), dropout, keys that need a rank."
+    out = super(TrainConfig, self).problems() + self.batch_problems()
+    if p := target_modules_problem(self.lora_target_modules): out.append(p)
+    if self.lora_dropout != 0:
+        out.append(f"lora_dropout={self.lora_dropout} is not supported: maxpost applies no dropout to the adapters; "
+                   "set lora_dropout=0")
+    if self.lora_rank == 0:
+        out += [f"{k}={getattr(self, k)!r} needs adapters: set lora_rank= (e.g. 8)"
+                for k in ("load_adapter_path", "save_adapter") if getattr(self, k)]
+    return out
 
 # %% ../nbs/00_config.ipynb
 @dataclass(frozen=True)

@@ -153,6 +153,7 @@ def _read_any(kind: str, src: Path, a) -> tuple[Decoder, Path | None]:
     overrides = yaml.safe_load(a.model_overrides) if a.model_overrides else {}
     return load_maxtext(src, a.model_name, overrides=overrides, dtype=a.dtype), _maxtext_tokenizer(src)
 
+# %% ../nbs/16_convert.ipynb
 def _has_tokenizer(d: Path) -> bool:
     return any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
@@ -165,6 +166,7 @@ def _maxtext_tokenizer(src: Path) -> Path | None:
             if c.is_dir() and _has_tokenizer(c): return c
     return None
 
+# %% ../nbs/16_convert.ipynb
 def _merge_adapter(model: Decoder, adapter: Path) -> Decoder:
     "`model` with the peft LoRA adapter in `adapter` (rank, alpha and targets from its config) merged in."
     from maxpost.lora import add_lora, load_adapter, merge_lora, read_adapter_config
@@ -175,6 +177,7 @@ def _merge_adapter(model: Decoder, adapter: Path) -> Decoder:
     add_lora(model, c["r"], c.get("lora_alpha", 8), c.get("target_modules") or (), rslora=c.get("use_rslora", False))
     return merge_lora(load_adapter(model, adapter))
 
+# %% ../nbs/16_convert.ipynb
 def convert_main(argv) -> int:
     "`maxpost convert SRC DST [--to hf|maxpost|maxtext] [--overwrite] ...`: see `--help`."
     from maxpost.maxtext import checkpoint_kind, save_maxtext

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+from fastcore.basics import patch
 
 from .config import ConfigError
 
@@ -202,6 +203,7 @@ def _select(splits: dict, split: str):
     chosen = [splits[a.splitname].select(range(a.from_, max(a.from_, a.to))) for a in parts]
     return chosen[0] if len(chosen) == 1 else datasets.concatenate_datasets(chosen)
 
+# %% ../nbs/04_data.ipynb
 def load_dataset_split(name_or_path: str | Path, split: str = "train", *, dataset_config: str = "",
                        data_files: str | Sequence[str] | dict | None = None):
     "One split of a dataset: a hub name, a local directory, jsonl/json/parquet/csv file(s) or `reasoning_gym:<task>`; an unknown split is an error."
@@ -355,6 +357,7 @@ def _check_messages(msgs, what: str) -> list[dict]:
                          "empty turn) or drop the message")
     return list(msgs)
 
+# %% ../nbs/04_data.ipynb
 def check_no_nulls(rows, columns: Sequence[str], what: str) -> None:
     "ConfigError naming the first row whose value in one of `columns` is null, before any step (`str` would make it the text 'None')."
     for c in columns:
@@ -363,6 +366,7 @@ def check_no_nulls(rows, columns: Sequence[str], what: str) -> None:
             raise ConfigError(f"{what}: row {nulls[0]} has a null {c!r} ({len(nulls)} of {len(values)} rows do); "
                               f"give every row a {c}, or drop the rows without one")
 
+# %% ../nbs/04_data.ipynb
 def _with_eos(tokenizer, ids: list[int]) -> list[int]:
     eos = tokenizer.eos_token_id
     return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
@@ -377,6 +381,7 @@ def _finish(ids, mask, train_on: str) -> tuple[list[int], list[int]]:
     if mask: mask[0] = 0
     return list(ids), mask
 
+# %% ../nbs/04_data.ipynb
 def encode_example(tokenizer, example: dict, data_format: str = "auto", *, train_on: str = "auto",
                    use_chat_template: bool | None = None, system_prompt: str | None = None,
                    chat_template_kwargs: dict | None = None, **columns) -> tuple[list[int], list[int]]:
@@ -657,51 +662,60 @@ class BatchIterator:
         self.seed, self.epoch, self.position = int(seed), 0, 0
         self._plan_key, self._plan_rows = None, None
 
-    def plan(self, epoch: int) -> list[list[int]]:
-        "The rows (lists of example indices) of one epoch, a pure function of (seed, epoch)."
-        if self._plan_key != (self.seed, epoch):
-            n = len(self.examples)
-            rng = np.random.default_rng([self.seed, epoch])
-            order = rng.permutation(n) if self.shuffle else np.arange(n)
-            if self.packing:
-                rows = pack_best_fit(self.examples.lengths, self.max_target_length, order)
-                rows = [rows[i] for i in (rng.permutation(len(rows)) if self.shuffle else range(len(rows)))]
-            else:
-                rows = [[int(i)] for i in order]
-            self._plan_key, self._plan_rows = (self.seed, epoch), rows
-        return self._plan_rows
+# %% ../nbs/04_data.ipynb
+@patch
+def plan(self: BatchIterator, epoch: int) -> list[list[int]]:
+    "The rows (lists of example indices) of one epoch, a pure function of (seed, epoch)."
+    if self._plan_key != (self.seed, epoch):
+        n = len(self.examples)
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(n) if self.shuffle else np.arange(n)
+        if self.packing:
+            rows = pack_best_fit(self.examples.lengths, self.max_target_length, order)
+            rows = [rows[i] for i in (rng.permutation(len(rows)) if self.shuffle else range(len(rows)))]
+        else:
+            rows = [[int(i)] for i in order]
+        self._plan_key, self._plan_rows = (self.seed, epoch), rows
+    return self._plan_rows
 
-    @property
-    def rows_per_epoch(self) -> int: return len(self.plan(self.epoch))
+# %% ../nbs/04_data.ipynb
+@patch(as_prop=True)
+def rows_per_epoch(self: BatchIterator) -> int: return len(self.plan(self.epoch))
 
-    def state(self) -> dict[str, int]:
-        "Everything needed to resume: {'epoch', 'position', 'seed'}."
-        return {"epoch": int(self.epoch), "position": int(self.position), "seed": int(self.seed)}
+@patch
+def state(self: BatchIterator) -> dict[str, int]:
+    "Everything needed to resume: {'epoch', 'position', 'seed'}."
+    return {"epoch": int(self.epoch), "position": int(self.position), "seed": int(self.seed)}
 
-    def restore(self, state: dict) -> "BatchIterator":
-        "Continue from a state() taken earlier (by this or another iterator over the same examples)."
-        self.seed, self.epoch, self.position = int(state["seed"]), int(state["epoch"]), int(state["position"])
-        if self.position > len(self.plan(self.epoch)): raise ValueError(f"state {state} is past the end of its epoch")
-        return self
+@patch
+def restore(self: BatchIterator, state: dict) -> "BatchIterator":
+    "Continue from a state() taken earlier (by this or another iterator over the same examples)."
+    self.seed, self.epoch, self.position = int(state["seed"]), int(state["epoch"]), int(state["position"])
+    if self.position > len(self.plan(self.epoch)): raise ValueError(f"state {state} is past the end of its epoch")
+    return self
 
-    def _exhausted(self) -> bool:
-        return self.num_epochs is not None and (self.epoch >= self.num_epochs or
-               (self.epoch == self.num_epochs - 1 and self.position >= len(self.plan(self.epoch))))
+# %% ../nbs/04_data.ipynb
+@patch
+def _exhausted(self: BatchIterator) -> bool:
+    return self.num_epochs is not None and (self.epoch >= self.num_epochs or
+           (self.epoch == self.num_epochs - 1 and self.position >= len(self.plan(self.epoch))))
 
-    def __iter__(self): return self
+@patch
+def __iter__(self: BatchIterator): return self
 
-    def __next__(self) -> dict[str, np.ndarray]:
-        if self._exhausted(): raise StopIteration
-        per = self.global_batch_size // self.process_count
-        lo = self.process_index * per
-        mine: list[list[int]] = []
-        for j in range(self.global_batch_size):
-            if self.position >= len(self.plan(self.epoch)) and not self._exhausted():
-                self.epoch, self.position = self.epoch + 1, 0
-            if self._exhausted(): row = []  # the data ran out: an all-padding row
-            else: row, self.position = self.plan(self.epoch)[self.position], self.position + 1
-            if lo <= j < lo + per: mine.append(row)
-        return make_rows(self.examples, mine, self.max_target_length, self.pad_id)
+@patch
+def __next__(self: BatchIterator) -> dict[str, np.ndarray]:
+    if self._exhausted(): raise StopIteration
+    per = self.global_batch_size // self.process_count
+    lo = self.process_index * per
+    mine: list[list[int]] = []
+    for j in range(self.global_batch_size):
+        if self.position >= len(self.plan(self.epoch)) and not self._exhausted():
+            self.epoch, self.position = self.epoch + 1, 0
+        if self._exhausted(): row = []  # the data ran out: an all-padding row
+        else: row, self.position = self.plan(self.epoch)[self.position], self.position + 1
+        if lo <= j < lo + per: mine.append(row)
+    return make_rows(self.examples, mine, self.max_target_length, self.pad_id)
 
 # %% ../nbs/04_data.ipynb
 def make_sft_iterator(tokenizer, dataset, *, max_target_length: int, global_batch_size: int, split: str = "train",

@@ -330,6 +330,7 @@ def _check_arrays(items: Path, shapes: dict, table: list[MaxTextParam], expected
     if stray: raise ValueError(f"unexpected array {'/'.join(stray[0])} {tuple(shapes[stray[0]].shape)} in {items} "
                                f"(an unsupported feature, or a layout other than the one the others have?)")
 
+# %% ../nbs/03b_maxtext.ipynb
 def load_maxtext(path, model: str | ModelConfig, *, overrides: dict | None = None, mesh=None, dtype=jnp.float32,
                  compute_dtype=None, remat: str = "none", group_bytes: int = 1 << 30) -> Decoder:
     "A `Decoder` from a MaxText checkpoint (items, step or root directory) described by `model` (+ `overrides`); weights in `dtype`, each restored straight into its shards on `mesh`."

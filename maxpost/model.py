@@ -27,6 +27,17 @@ __all__ = ['FAMILIES', 'PRESETS', 'LOGITS_CHUNK_SIZE', 'ModelConfig', 'get_model
 # %% ../nbs/02_model.ipynb
 FAMILIES = ("llama", "qwen3", "gemma3")
 
+def _check_model_config(cfg: "ModelConfig") -> None:
+    "Raise a `ValueError` naming the first field of a `ModelConfig` with a value it does not know."
+    if cfg.family not in FAMILIES: raise ValueError(f"family must be one of {FAMILIES}, got {cfg.family!r}")
+    if cfg.num_heads % cfg.num_kv_heads: raise ValueError("num_heads must be a multiple of num_kv_heads")
+    if cfg.rope_type not in ("default", "linear", "llama3"): raise ValueError(f"unknown rope_type {cfg.rope_type!r}")
+    if cfg.activation not in ("silu", "gelu_tanh"): raise ValueError(f"unknown activation {cfg.activation!r}")
+    if cfg.attention not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {cfg.attention!r}")
+    if cfg.remat not in REMAT_POLICIES: raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {cfg.remat!r}")
+
+# %% ../nbs/02_model.ipynb
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     "Architecture and dtypes of a decoder; `family` is one of `FAMILIES`, `attention` of `ATTENTION_IMPLEMENTATIONS`, `remat` of `REMAT_POLICIES`."
@@ -62,19 +73,14 @@ class ModelConfig:
     remat: str = "none"                   # REMAT_POLICIES: what the backward recomputes (see below)
     scan_layers: bool = True              # one lax.scan over the stacked layers (False: a Python loop, for checks)
 
-    def __post_init__(self):
-        if self.family not in FAMILIES: raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
-        if self.num_heads % self.num_kv_heads: raise ValueError("num_heads must be a multiple of num_kv_heads")
-        if self.rope_type not in ("default", "linear", "llama3"): raise ValueError(f"unknown rope_type {self.rope_type!r}")
-        if self.activation not in ("silu", "gelu_tanh"): raise ValueError(f"unknown activation {self.activation!r}")
-        if self.attention not in ATTENTION_IMPLEMENTATIONS:
-            raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {self.attention!r}")
-        if self.remat not in REMAT_POLICIES: raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+    def __post_init__(self): _check_model_config(self)
 
-    def is_local(self, layer: int) -> bool:
-        "Whether `layer` is a sliding-window (local) attention layer."
-        if self.sliding_window is None: return False
-        return self.global_every == 0 or (layer + 1) % self.global_every != 0
+# %% ../nbs/02_model.ipynb
+@patch
+def is_local(self: ModelConfig, layer: int) -> bool:
+    "Whether `layer` is a sliding-window (local) attention layer."
+    if self.sliding_window is None: return False
+    return self.global_every == 0 or (layer + 1) % self.global_every != 0
 
 # %% ../nbs/02_model.ipynb
 _LLAMA = dict(family="llama", norm_eps=1e-5, rope_theta=500_000.0, rope_type="llama3", rope_factor=8.0,
@@ -493,41 +499,46 @@ class Decoder(nnx.Module):
             self.lm_head = _param(rngs.params(), _fan_in(1), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                                   cfg.param_dtype)
 
-    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, *, cache: dict | None = None,
-                 logits_range: tuple[int, int] | None = None, return_hidden: bool = False):
-        "Logits [B,T,V] float32 (only positions [start, stop) with `logits_range`), or with `return_hidden` the final-normed hidden states [B,T,D] they come from; with `cache`, returns (that, updated cache)."
-        c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        b, t = tokens_bt.shape
-        if positions_bt is None: positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        if segment_ids_bt is None: segment_ids_bt = jnp.ones((b, t), jnp.int32)
-        positions_bt, segment_ids_bt = positions_bt.astype(jnp.int32), segment_ids_bt.astype(jnp.int32)
-        if cache is None: spans = Spans(positions_bt, segment_ids_bt, positions_bt, segment_ids_bt)
-        else:
-            index = cache["index"]
-            spans = Spans(positions_bt, segment_ids_bt,
-                          jax.lax.dynamic_update_slice(cache["positions"], positions_bt, (0, index)),
-                          jax.lax.dynamic_update_slice(cache["segment_ids"], segment_ids_bt, (0, index)))
-        table_vd = constrain(self.embed[...], (None, "embed"))    # gather rows from a vocab-replicated table
-        x_btd = jnp.take(table_vd, tokens_bt, axis=0).astype(dt)
-        if c.embed_scale: x_btd = x_btd * jnp.asarray(math.sqrt(c.d_model), dt)
-        x_btd = constrain(x_btd, ("batch", "length", "embed"))
-        x_btd, kv = self.run_layers(x_btd, positions_bt, spans, None if cache is None else (cache["k"], cache["v"], index))
-        if logits_range is not None: x_btd = x_btd[:, logits_range[0]:logits_range[1]]
-        x_btd = constrain(self.final_norm(x_btd), ("batch", "length", "embed"))
-        out = x_btd if return_hidden else self.logits(x_btd)
-        if cache is None: return out
-        return out, dict(k=kv[0], v=kv[1], segment_ids=spans.k_segment_ids, positions=spans.k_positions, index=index + t)
+# %% ../nbs/02_model.ipynb
+@patch
+def __call__(self: Decoder, tokens_bt, positions_bt=None, segment_ids_bt=None, *, cache: dict | None = None,
+             logits_range: tuple[int, int] | None = None, return_hidden: bool = False):
+    "Logits [B,T,V] float32 (only positions [start, stop) with `logits_range`), or with `return_hidden` the final-normed hidden states [B,T,D] they come from; with `cache`, returns (that, updated cache)."
+    c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+    b, t = tokens_bt.shape
+    if positions_bt is None: positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if segment_ids_bt is None: segment_ids_bt = jnp.ones((b, t), jnp.int32)
+    positions_bt, segment_ids_bt = positions_bt.astype(jnp.int32), segment_ids_bt.astype(jnp.int32)
+    if cache is None: spans = Spans(positions_bt, segment_ids_bt, positions_bt, segment_ids_bt)
+    else:
+        index = cache["index"]
+        spans = Spans(positions_bt, segment_ids_bt,
+                      jax.lax.dynamic_update_slice(cache["positions"], positions_bt, (0, index)),
+                      jax.lax.dynamic_update_slice(cache["segment_ids"], segment_ids_bt, (0, index)))
+    table_vd = constrain(self.embed[...], (None, "embed"))    # gather rows from a vocab-replicated table
+    x_btd = jnp.take(table_vd, tokens_bt, axis=0).astype(dt)
+    if c.embed_scale: x_btd = x_btd * jnp.asarray(math.sqrt(c.d_model), dt)
+    x_btd = constrain(x_btd, ("batch", "length", "embed"))
+    x_btd, kv = self.run_layers(x_btd, positions_bt, spans, None if cache is None else (cache["k"], cache["v"], index))
+    if logits_range is not None: x_btd = x_btd[:, logits_range[0]:logits_range[1]]
+    x_btd = constrain(self.final_norm(x_btd), ("batch", "length", "embed"))
+    out = x_btd if return_hidden else self.logits(x_btd)
+    if cache is None: return out
+    return out, dict(k=kv[0], v=kv[1], segment_ids=spans.k_segment_ids, positions=spans.k_positions, index=index + t)
 
-    def output_weights(self) -> jax.Array:
-        "The unembedding [V,D] in the parameter dtype: the embedding table when tied, else `lm_head`."
-        return (self.embed if self.cfg.tie_embeddings else self.lm_head)[...]
+# %% ../nbs/02_model.ipynb
+@patch
+def output_weights(self: Decoder) -> jax.Array:
+    "The unembedding [V,D] in the parameter dtype: the embedding table when tied, else `lm_head`."
+    return (self.embed if self.cfg.tie_embeddings else self.lm_head)[...]
 
-    def logits(self, hidden_btd: jax.Array) -> jax.Array:
-        "Float32 logits [B,T,V] of final-normed hidden states: one matmul with `output_weights()` in the compute dtype."
-        w_vd = self.output_weights().astype(self.cfg.dtype)
-        logits_btv = jnp.einsum("md,vd->mv", hidden_btd.reshape(-1, hidden_btd.shape[-1]), w_vd,   # 2-D: see `dense`
-                                preferred_element_type=jnp.float32).reshape(*hidden_btd.shape[:2], -1)
-        return constrain(logits_btv, ("batch", "length", "vocab"))
+@patch
+def logits(self: Decoder, hidden_btd: jax.Array) -> jax.Array:
+    "Float32 logits [B,T,V] of final-normed hidden states: one matmul with `output_weights()` in the compute dtype."
+    w_vd = self.output_weights().astype(self.cfg.dtype)
+    logits_btv = jnp.einsum("md,vd->mv", hidden_btd.reshape(-1, hidden_btd.shape[-1]), w_vd,   # 2-D: see `dense`
+                            preferred_element_type=jnp.float32).reshape(*hidden_btd.shape[:2], -1)
+    return constrain(logits_btv, ("batch", "length", "vocab"))
 
 # %% ../nbs/02_model.ipynb
 @patch

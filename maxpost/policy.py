@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import jax, jax.numpy as jnp
 from flax import nnx
+from fastcore.basics import patch
 
 from .config import RunConfig, TrainConfig, ConfigError, effective_config, run_dir
 from . import sharding, tasks, model as mm
@@ -299,18 +300,21 @@ class TrainableWeights:
         "A Hugging Face directory of `model`."
         return save_hf(model, path)
 
-    def export(self, model: nnx.Module, cfg: TrainConfig, tokenizer, directory) -> None:
-        "What `save_hf` / `save_adapter` ask for, with the tokenizer, under `directory` (`hf/`, `adapter/`)."
-        d = Path(directory)
-        if cfg.save_hf:
-            self.save_hf(model, d / "hf"); tokenizer.save_pretrained(d / "hf")
-            print(f"wrote the Hugging Face model to {d / 'hf'}", file=sys.stderr)
-        if cfg.save_adapter:   # named by a base that transformers can load elsewhere (see its README.md)
-            base = adapter_base(cfg)
-            save_adapter(model, d / "adapter", base, source=cfg.load_parameters_path or cfg.model_name)
-            tokenizer.save_pretrained(d / "adapter")
-            print(f"wrote the peft adapter to {d / 'adapter'} (base: {base or 'see its README.md'})", file=sys.stderr)
+# %% ../nbs/07b_policy.ipynb
+@patch
+def export(self: TrainableWeights, model: nnx.Module, cfg: TrainConfig, tokenizer, directory) -> None:
+    "What `save_hf` / `save_adapter` ask for, with the tokenizer, under `directory` (`hf/`, `adapter/`)."
+    d = Path(directory)
+    if cfg.save_hf:
+        self.save_hf(model, d / "hf"); tokenizer.save_pretrained(d / "hf")
+        print(f"wrote the Hugging Face model to {d / 'hf'}", file=sys.stderr)
+    if cfg.save_adapter:   # named by a base that transformers can load elsewhere (see its README.md)
+        base = adapter_base(cfg)
+        save_adapter(model, d / "adapter", base, source=cfg.load_parameters_path or cfg.model_name)
+        tokenizer.save_pretrained(d / "adapter")
+        print(f"wrote the peft adapter to {d / 'adapter'} (base: {base or 'see its README.md'})", file=sys.stderr)
 
+# %% ../nbs/07b_policy.ipynb
 class FullWeights(TrainableWeights):
     "Every `nnx.Param` trains."
     def split(self, model): return nnx.split(model, nnx.Param, ...)

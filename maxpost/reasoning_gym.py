@@ -69,6 +69,7 @@ def _row(task: str, entry: dict, template_id: int) -> dict:
             "task": task, "template_id": template_id,
             "rg_entry": json.dumps({"question": entry["question"], "answer": answer, "metadata": meta}, default=str)}
 
+# %% ../nbs/03d_reasoning_gym.ipynb
 def generate_split(task: str, split: str = "train", n: int | None = None, *, seed: int = 0, exclude=(),
                    max_tries: int | None = None, **task_options) -> list[dict]:
     "The first `n` rows of `split`: distinct questions not in `exclude`; gsm_symbolic keeps the split's templates only."

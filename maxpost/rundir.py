@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import jax, numpy as np
+from fastcore.basics import patch
 
 # %% auto 0
 __all__ = ['RunLocked', 'RunLock', 'as_scalar', 'finite_or_null', 'strict_json', 'read_metrics', 'MetricsLogger']
@@ -98,35 +99,42 @@ class MetricsLogger:
                 self.tb = SummaryWriter(str(Path(directory) / "tensorboard"), purge_step=initial_step + 1)
             except ImportError: pass
 
-    def _bar(self):
-        "The bar, made at the first step (not before: lines printed while the step compiles would be glued onto it)."
-        from tqdm.auto import tqdm
-        if self.bar is None:
-            self.bar = tqdm(total=self.total, initial=self.step, desc=self.desc, dynamic_ncols=True)
-            self.bar.set_postfix(self.postfix, refresh=False)
-        return self.bar
+# %% ../nbs/07c_rundir.ipynb
+@patch
+def _bar(self: MetricsLogger):
+    "The bar, made at the first step (not before: lines printed while the step compiles would be glued onto it)."
+    from tqdm.auto import tqdm
+    if self.bar is None:
+        self.bar = tqdm(total=self.total, initial=self.step, desc=self.desc, dynamic_ncols=True)
+        self.bar.set_postfix(self.postfix, refresh=False)
+    return self.bar
 
-    def log(self, step: int, metrics: dict[str, Any], kind: str = "train") -> dict:
-        rec = {"step": int(step), "kind": kind, **{k: as_scalar(v) for k, v in metrics.items()}}
-        if self.primary:
-            with self.path.open("a") as f: f.write(strict_json(rec) + "\n")
-            if self.tb is not None:
-                for k, v in rec.items():
-                    if isinstance(v, (int, float)) and k != "step": self.tb.add_scalar(f"{kind}/{k}", v, step)
-            show = {k: f"{v:.4g}" for k, v in rec.items() if k in self.show and isinstance(v, float)}
-            if show:
-                self.postfix = show
-                if self.bar is not None: self.bar.set_postfix(show, refresh=False)
-            if self.mode == "lines":   # a file or a pipe: one line per logged step, never a bar's carriage returns
-                vals = show or {k: f"{v:.4g}" for k, v in rec.items() if isinstance(v, float)}
-                print(f"{self.desc}: step {step}/{self.total} {kind} " + " ".join(f"{k}={v}" for k, v in vals.items()),
-                      file=sys.stderr, flush=True)
-        return rec
+# %% ../nbs/07c_rundir.ipynb
+@patch
+def log(self: MetricsLogger, step: int, metrics: dict[str, Any], kind: str = "train") -> dict:
+    rec = {"step": int(step), "kind": kind, **{k: as_scalar(v) for k, v in metrics.items()}}
+    if self.primary:
+        with self.path.open("a") as f: f.write(strict_json(rec) + "\n")
+        if self.tb is not None:
+            for k, v in rec.items():
+                if isinstance(v, (int, float)) and k != "step": self.tb.add_scalar(f"{kind}/{k}", v, step)
+        show = {k: f"{v:.4g}" for k, v in rec.items() if k in self.show and isinstance(v, float)}
+        if show:
+            self.postfix = show
+            if self.bar is not None: self.bar.set_postfix(show, refresh=False)
+        if self.mode == "lines":   # a file or a pipe: one line per logged step, never a bar's carriage returns
+            vals = show or {k: f"{v:.4g}" for k, v in rec.items() if isinstance(v, float)}
+            print(f"{self.desc}: step {step}/{self.total} {kind} " + " ".join(f"{k}={v}" for k, v in vals.items()),
+                  file=sys.stderr, flush=True)
+    return rec
 
-    def advance(self, n: int = 1):
-        if self.mode == "bar": self._bar().update(n)   # made at `self.step`, before the steps it counts
-        self.step += n
+# %% ../nbs/07c_rundir.ipynb
+@patch
+def advance(self: MetricsLogger, n: int = 1):
+    if self.mode == "bar": self._bar().update(n)   # made at `self.step`, before the steps it counts
+    self.step += n
 
-    def close(self):
-        if self.bar is not None: self.bar.close()
-        if self.tb is not None: self.tb.close()
+@patch
+def close(self: MetricsLogger):
+    if self.bar is not None: self.bar.close()
+    if self.tb is not None: self.tb.close()

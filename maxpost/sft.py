@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import jax, jax.numpy as jnp, numpy as np, optax
 from flax import nnx
+from fastcore.basics import patch
 
 from .config import TrainConfig, QAConfig, ConfigError, key, register_kind, run_dir, eval_source
 from . import sharding
@@ -132,31 +133,42 @@ class SFTTrainer(Trainer):
         self.batches = Prefetcher(self.train_it, self._prepare)   # the next batches, on the devices, made while a step runs
         self.flops_per_token = flops_per_token(self.model_cfg, cfg.max_target_length)
 
-    def build_steps(self) -> None:
-        cfg = self.cfg
-        self.step_fn = self.compiled(make_sft_step(self.graphdef, self.tx, accum=cfg.gradient_accumulation_steps,
-                                                   z_loss=cfg.z_loss, chunk_size=cfg.logits_chunk_size), "the SFT step")
-        self.eval_fn = make_eval_step(self.graphdef, chunk_size=cfg.logits_chunk_size)
-
-    def _prepare(self, batch: dict) -> tuple:
-        "A batch as the step takes it (sharded over the devices), and its tokens: on the prefetch thread."
-        return sharding.shard_batch(batch, self.mesh), int((batch["segment_ids"] != 0).sum()) * jax.process_count()
-
-    def train_step(self) -> dict:
-        with self.clock("input"): batch, num_tokens = next(self.batches)
-        self.params, self.opt_state, m = self.run_step("step_fn", self.params, self.rest, self.opt_state, batch)
-        return {**m, "num_tokens": num_tokens}
-
-    def evaluate(self) -> dict:
-        self.eval_it.restore(self._eval_start)
-        return evaluate_loss(self.eval_fn, self.params, self.rest, self.eval_it, self.mesh, self.cfg.eval_batches)
-
-    def data_state(self) -> dict: return self.batches.state()          # of the last batch taken, not those made ahead
-    def restore_data(self, state: dict) -> None: self.batches.restore(state)
-    def close(self) -> None: self.batches.close()
-
     memory_knobs = ("remat_policy=full, a larger gradient_accumulation_steps, a smaller logits_chunk_size, a smaller "
                     "max_target_length or global_batch_size, or more devices (fsdp_parallelism)")
+
+# %% ../nbs/14c_sft.ipynb
+@patch
+def build_steps(self: SFTTrainer) -> None:
+    cfg = self.cfg
+    self.step_fn = self.compiled(make_sft_step(self.graphdef, self.tx, accum=cfg.gradient_accumulation_steps,
+                                               z_loss=cfg.z_loss, chunk_size=cfg.logits_chunk_size), "the SFT step")
+    self.eval_fn = make_eval_step(self.graphdef, chunk_size=cfg.logits_chunk_size)
+
+@patch
+def _prepare(self: SFTTrainer, batch: dict) -> tuple:
+    "A batch as the step takes it (sharded over the devices), and its tokens: on the prefetch thread."
+    return sharding.shard_batch(batch, self.mesh), int((batch["segment_ids"] != 0).sum()) * jax.process_count()
+
+# %% ../nbs/14c_sft.ipynb
+@patch
+def train_step(self: SFTTrainer) -> dict:
+    with self.clock("input"): batch, num_tokens = next(self.batches)
+    self.params, self.opt_state, m = self.run_step("step_fn", self.params, self.rest, self.opt_state, batch)
+    return {**m, "num_tokens": num_tokens}
+
+@patch
+def evaluate(self: SFTTrainer) -> dict:
+    self.eval_it.restore(self._eval_start)
+    return evaluate_loss(self.eval_fn, self.params, self.rest, self.eval_it, self.mesh, self.cfg.eval_batches)
+
+@patch
+def data_state(self: SFTTrainer) -> dict: return self.batches.state()          # of the last batch taken, not those made ahead
+
+@patch
+def restore_data(self: SFTTrainer, state: dict) -> None: self.batches.restore(state)
+
+@patch
+def close(self: SFTTrainer) -> None: self.batches.close()
 
 # %% ../nbs/14c_sft.ipynb
 def train_sft(cfg: SFTConfig, *, progress: bool = True) -> dict:

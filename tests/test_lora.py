@@ -234,7 +234,7 @@ def test_the_loop_and_the_kinds_do_not_branch_on_lora():
     "LoRA is the business of `Trainer.weights` (chapter 07b_policy): the loop, resume, export and the RL reference ask it."
     import inspect
     from maxpost import train, rl, sft, dpo
-    for fn in (train.Trainer.__init__, train._resume, train._fit, rl.RLTrainer.__init__, rl.RLTrainer._update,
+    for fn in (train.Trainer.__init__, train._resume, train._fit, train._steps, train._after_steps, rl.RLTrainer.__init__, rl.RLTrainer._update,
                sft.SFTTrainer.__init__, dpo.DPOTrainer.__init__):
         src = inspect.getsource(fn)
         for name in ("lora_base", "lora_options", "attach_adapters", "check_lora_base", "adapters_off", "lora_rank",
