@@ -580,7 +580,7 @@ def test_the_embedded_rl_run_compiles_at_most_ten_programs(tmp_path):
 def test_rollouts_and_evaluation_share_one_sampling_program(tmp_path):
     """issue 47 item 3: the rollouts and the evaluation (greedy and k samples) run one sampling program, shaped by the
     rollout batch and the run's prompt bucket (the longest held-out or sampled training prompt's); a rollout through
-    it is the one `generate` gives without it, bit for bit."""
+    it samples the tokens `generate` samples without it."""
     from maxpost.rl import SamplerEngine
     tr = start_trainer(RLTrainer, rl_cfg(tmp_path, "beta=0"), reward_fns=[(length_reward, 1.0, "length")])
     start = tr.prompts.state()
@@ -591,6 +591,7 @@ def test_rollouts_and_evaluation_share_one_sampling_program(tmp_path):
         tr.evaluate()
     for k in ("prompt_ids", "completion_ids", "completion_mask"):
         np.testing.assert_array_equal(shared["batch"][k], alone["batch"][k])
-    np.testing.assert_array_equal(shared["sampler_logps"], alone["sampler_logps"])
+    # the same tokens; their log-probs to float32 rounding (another program: XLA may fuse the same decode otherwise)
+    np.testing.assert_allclose(shared["sampler_logps"], alone["sampler_logps"], rtol=1e-6, atol=1e-6)
     assert shared["batch"]["prompt_ids"].shape[1] == tr.bucket == tr.sampler.min_bucket
     assert len(tr.sampler.fn.programs) == 1                                     # rollout, greedy and sampled evaluation
