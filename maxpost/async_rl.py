@@ -103,7 +103,7 @@ class AsyncRLTrainer(RLTrainer):
         # two rollouts; the update's own weight sync becomes a no-op (maxpost's sampler engine copies nothing)
         self.engine_of_producer, self.engine_weights = None, None
         if cfg.max_staleness and not isinstance(self.engine, SamplerEngine):
-            self.engine_of_producer, self.engine = self.engine, SamplerEngine(self.model, self.tokenizer)
+            self.engine_of_producer, self.engine = self.engine, SamplerEngine(self.model, self.tokenizer, self.sampler)
 
     def snapshot(self):
         "The trainable weights for the producer: a copy on the rollout mesh, or on the trainer's own (the update donates `self.params`, so the producer cannot share them)."
@@ -113,7 +113,7 @@ class AsyncRLTrainer(RLTrainer):
     def produce(self, params, index: int) -> dict:
         "One rollout (in the producer's thread) by maxpost's sampler holding `params` on the rollout mesh, or by the producer's engine once `params` are pushed into it; `index` seeds it."
         engine, sync_s = self.engine_of_producer, 0.0
-        if engine is None: engine = SamplerEngine(nnx.merge(self.graphdef, params, self.rollout_rest), self.tokenizer)
+        if engine is None: engine = SamplerEngine(nnx.merge(self.graphdef, params, self.rollout_rest), self.tokenizer, self.sampler)
         elif params is not self.engine_weights:   # a new version (every weight_sync_steps): never mid-sequence
             sync_s, self.engine_weights = engine.sync_weights(nnx.merge(self.graphdef, params, self.rollout_rest)), params
         with jax.set_mesh(self.rollout_mesh): ro = self.rollout(index, engine)   # the mesh is per thread

@@ -120,11 +120,12 @@ def _chunks(prompts: list, size: int):
         chunk = prompts[start:start + size]
         yield i, chunk + [chunk[0]] * (size - len(chunk)), len(chunk)
 
+# %% ../nbs/14_evaluate.ipynb
 def evaluate(model, tokenizer, examples: Sequence[dict], *, k: int = 8, template: str = "gsm8k",
              max_prompt_length: int = 128, max_completion_length: int = 128, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, batch_size: int = 64, seed: int = 0,
-             return_completions: bool = False) -> dict:
-    "pass@1, pass@k, maj@k, format rate, greedy length and truncation of `model` on `examples` (`question`, `answer`)."
+             return_completions: bool = False, program=None) -> dict:
+    "pass@1, pass@k, maj@k, format rate, greedy length and truncation of `model` on `examples` (`question`, `answer`). With `program` (a run's `SamplingProgram`, chapter `10_sampling`), in calls of its rows: greedy over `rows` prompts, k samples of `rows // k`."
     from maxpost.sampling import generate
     if not examples: raise ValueError("no examples to evaluate")
     if k < 0 or batch_size < 1: raise ValueError(f"need k >= 0 and batch_size >= 1, got k={k}, batch_size={batch_size}")
@@ -132,16 +133,18 @@ def evaluate(model, tokenizer, examples: Sequence[dict], *, k: int = 8, template
     prompts = prompt_token_ids(tokenizer, questions, template)
     stops = stop_token_ids(tokenizer)
     kw = dict(max_prompt_length=max_prompt_length, max_completion_length=max_completion_length, eos_ids=stops,
-              pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, tokenizer=tokenizer)
+              pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0, tokenizer=tokenizer,
+              program=program)
     size = min(batch_size, len(prompts))                       # prompts per sampling call
+    rows = (size * max(k, 1), size) if program is None else (program.rows, max(program.rows // max(k, 1), 1))
     greedy, lengths, stopped = [], [], []
-    for _, chunk, m in _chunks(prompts, size * max(k, 1)):     # as many rows as a sampling call
+    for _, chunk, m in _chunks(prompts, rows[0]):              # as many rows as a sampling call
         g = generate(model, chunk, temperature=0.0, seed=seed, **kw)
         greedy += g.text[:m]
         lengths += g.completion_mask[:m].sum(1).tolist()
         stopped += (np.isin(g.completion_ids[:m], stops) & (g.completion_mask[:m] > 0)).any(1).tolist()
     samples = []
-    for i, chunk, m in (_chunks(prompts, size) if k else ()):
+    for i, chunk, m in (_chunks(prompts, rows[1]) if k else ()):
         s = generate(model, chunk, num_generations=k, temperature=temperature, top_k=top_k, top_p=top_p,
                      seed=_chunk_seed(seed, i), **kw)
         samples += [s.text[j * k:(j + 1) * k] for j in range(m)]
@@ -225,10 +228,12 @@ def evaluate_episodes(model, tokenizer, examples: Sequence[dict], factory, *, k:
     return out
 
 # %% ../nbs/14_evaluate.ipynb
-def held_out_metrics(cfg: GenerationConfig, model, tokenizer, examples: Sequence[dict], *, return_completions: bool = False) -> dict:
-    "The held-out metrics `cfg` asks for: `evaluate` (one completion per prompt), or `evaluate_episodes` in `cfg.environment`."
+def held_out_metrics(cfg: GenerationConfig, model, tokenizer, examples: Sequence[dict], *, return_completions: bool = False,
+                     program=None) -> dict:
+    "The held-out metrics `cfg` asks for: `evaluate` (one completion per prompt), or `evaluate_episodes` in `cfg.environment`; `program`: `evaluate`'s."
     opts = eval_options(cfg)
-    if not getattr(cfg, "environment", ""): return evaluate(model, tokenizer, examples, return_completions=return_completions, **opts)
+    if not getattr(cfg, "environment", ""): return evaluate(model, tokenizer, examples, return_completions=return_completions,
+                                                                      program=program, **opts)
     opts.pop("max_completion_length")
     return evaluate_episodes(model, tokenizer, examples, environment_factory(cfg.environment),
                              return_completions=return_completions, **opts, **episode_limits(cfg))

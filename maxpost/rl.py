@@ -4,7 +4,7 @@
 
 # %% ../nbs/15_rl.ipynb 4
 from __future__ import annotations
-import os, time
+import functools, os, time
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
@@ -21,14 +21,15 @@ from .policy_loss import CISPO_EPSILONS, KL_ESTIMATORS, LOSS_AGG_CHOICES, POLICY
 from .sampler_correction import IMPORTANCE_SAMPLING_MODES, importance_weights
 from .rewards import (REWARD_ISOLATION, as_reward_specs, compute_rewards, correctness_reward, start_reward_workers,
                              close_reward_workers, reward_model_specs)
-from .sampling import Rollout, generate, completion_logps, split_groups, make_logps_fn
+from .sampling import (Rollout, SamplingProgram, bucket_length, generate, completion_logps, make_logps_fn,
+                              make_sample_fn, seed_key_data, split_groups, stop_id_array)
 from .prompts import prompt_token_ids, stop_token_ids
 from .evaluate import load_examples, load_eval_examples, evaluate, eval_options, held_out_metrics, held_out_table
 from .environments import (EpisodeConfig, Episodes, episode_limits, episode_problems, environment_factory,
                                   make_environments, rollout_episodes)
 from .tasks import check_held_out
 from .policy import Setup
-from .train import Trainer
+from .train import StepCompiler, Trainer, compile_ahead, compile_step_ahead, finished_before
 from .commands import start_trainer, train_command
 from .step import make_update_step, ReferencePolicy
 
@@ -37,7 +38,8 @@ __all__ = ['DEFAULT_EPSILONS', 'DEFAULT_IMPORTANCE_SAMPLING', 'STALE_IMPORTANCE_
            'resolve_epsilons', 'default_loss_agg_mode', 'loss_options', 'completion_width',
            'default_importance_sampling', 'RLConfig', 'recipe_problems', 'RolloutEngine', 'SamplerEngine',
            'make_engine', 'sampling_options', 'correction_options', 'rollout_metrics', 'group_mini_batches',
-           'make_rl_step', 'rollout_advantages', 'shape_completions', 'RLTrainer', 'episode_batch', 'train_rl', 'main']
+           'make_rl_step', 'make_logps_pass', 'prompt_bucket', 'rollout_advantages', 'shape_completions', 'RLTrainer',
+           'episode_batch', 'train_rl', 'main']
 
 # %% ../nbs/15_rl.ipynb
 DEFAULT_EPSILONS = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4), "cispo": CISPO_EPSILONS}
@@ -238,11 +240,12 @@ class RolloutEngine(Protocol):
 
 # %% ../nbs/15_rl.ipynb
 class SamplerEngine:
-    "The built-in rollout engine: `maxpost.sampling.generate` on the policy it was last given."
-    def __init__(self, model: nnx.Module, tokenizer=None): self.model, self.tokenizer = model, tokenizer
+    "The built-in rollout engine: `maxpost.sampling.generate` on the policy it was last given, through the run's `SamplingProgram` (`program`, chapter `10_sampling`) when it has one."
+    def __init__(self, model: nnx.Module, tokenizer=None, program: SamplingProgram | None = None):
+        self.model, self.tokenizer, self.program = model, tokenizer, program
 
     def generate(self, prompt_ids, **sampling) -> Rollout:
-        return generate(self.model, prompt_ids, tokenizer=self.tokenizer, **sampling)
+        return generate(self.model, prompt_ids, tokenizer=self.tokenizer, program=self.program, **sampling)
 
     def sync_weights(self, model: nnx.Module) -> float:
         "Use `model` from now on (it shares the trainer's arrays: nothing is copied)."
@@ -322,10 +325,22 @@ def make_rl_step(graphdef, tx, loss_kwargs: dict, temperature: float, num_genera
                             split=lambda b, parts: split_groups(b, parts, num_generations))
 
 # %% ../nbs/15_rl.ipynb
-# The rollout's arithmetic on host data, each one program: run eagerly, every jnp operation in them is a program of
-# its own (compiled, then dispatched: a dozen compiles before the first step on a TPU, ~0.1-0.5 s each)
+# The rollout's arithmetic on host data, one program (run eagerly, every jnp operation in it would be a program of
+# its own: compiled, then dispatched, ~0.1-0.5 s each on a TPU)
 _advantages_fn = jax.jit(group_advantages, static_argnums=1, static_argnames=("scale", "std_ddof", "eps"))
-_importance_fn = jax.jit(importance_weights, static_argnames=("mode", "clip_max", "clip_min"))
+
+def make_logps_pass(graphdef, temperature: float, num_generations: int, parts: int, chunk_size, correction: dict):
+    "Jitted `(params, rest, batch) -> (log-probs [B,T], importance weights [B,T], their metrics)`: the π_prox or π_ref log-prob pass (`make_logps_fn`) and the sampler correction (`importance_weights` against `batch['sampler_logps']`, `correction_options`) in one program."
+    logps_fn = make_logps_fn(graphdef, temperature, num_generations, parts, chunk_size=chunk_size)
+    def logps(params, rest, b):
+        lp = logps_fn(params, rest, b)
+        return lp, *importance_weights(lp, b["sampler_logps"], b["completion_mask"], **correction)
+    return jax.jit(logps)
+
+def prompt_bucket(cfg: RLConfig, tokenizer, examples: Sequence[dict]) -> int:
+    "The prompt length a run pads every prompt to (at least): the bucket (`bucket_length`) of the longest prompt of `examples`."
+    ids = prompt_token_ids(tokenizer, [e["question"] for e in examples], cfg.prompt_template)
+    return bucket_length(max(map(len, ids), default=1), cfg.max_prompt_length)
 
 # %% ../nbs/15_rl.ipynb
 _rloo_fn = jax.jit(rloo_advantages, static_argnums=1, static_argnames=("normalize_advantages", "eps"))
@@ -369,7 +384,7 @@ class RLTrainer(Trainer):
         self.correction = correction_options(cfg)   # the sampler correction: importance_weights' mode and bounds
         self.reference = None                  # π_ref (only when beta > 0): the initial weights; with LoRA, the base (adapters off)
         if cfg.beta > 0:
-            self.reference = ReferencePolicy(self.params, self.rest, lambda *a: self.run_step("logps_fn", *a),
+            self.reference = ReferencePolicy(self.params, self.rest, lambda *a: self.run_step("logps_pass", *a)[0],
                                              self.weights)
         self.rewards = as_reward_specs(reward_fns if reward_fns is not None else
                                        list(zip(cfg.reward_functions, cfg.reward_weights)), template=cfg.prompt_template)
@@ -385,9 +400,11 @@ class RLTrainer(Trainer):
             from maxpost.rewards import check_reward_columns    # every call of a reward lacking its column would fail
             check_reward_columns(self.rewards, self.prompts.examples[0], f"dataset {cfg.dataset_name or 'embedded task'!r}")
             self.eval_examples = load_eval_examples(cfg)
-        self.build_steps()
+            self.bucket = prompt_bucket(cfg, self.tokenizer, self.eval_examples + self.prompts.examples[:256])   # a sample
         self.engine = engine if engine is not None else make_engine(cfg, self.model, self.tokenizer)
+        self.build_steps()
         self.sampling = sampling_options(cfg, self.tokenizer)
+        if not finished_before(cfg) and not cfg.environment: self.compile_programs_ahead()
         self.last_batch, self.last_update_metrics = None, []
 
     @property
@@ -407,6 +424,19 @@ class RLTrainer(Trainer):
                                       "the log-prob pass")
         self.step_fn = self.compiled(make_rl_step(self.graphdef, self.tx, loss_options(cfg), cfg.temperature, G, A,
                                                   chunk_size=chunk), "the RL update")
+        self.logps_pass = self.compiled(make_logps_pass(self.graphdef, cfg.temperature, G, parts, chunk, self.correction),
+                                        "the log-prob pass")    # what the loop runs (`logps_fn`: the log-probs alone)
+        self.advantages_fn = StepCompiler(jax.jit(   # `advantage_estimator`: group-relative, or leave-one-out
+            functools.partial(rloo_advantages, num_generations=G, normalize_advantages=cfg.normalize_advantages)
+            if cfg.advantage_estimator == "rloo" else functools.partial(group_advantages, num_generations=G,
+                                                                          scale=cfg.advantage_scale)))
+        self.sampler = None               # one program for the rollouts and the evaluation (chapter 10_sampling)
+        if not cfg.environment:
+            B, T, graphdef = cfg.global_batch_size, cfg.max_completion_length, nnx.graphdef(self.model)
+            self.sampler = SamplingProgram(graphdef, rows=B, block=B // G, max_completion_length=T, min_bucket=self.bucket,
+                                           fn=self.compiled(make_sample_fn(graphdef, max_completion_length=T, block=B // G),
+                                                            "the sampler"))
+        if isinstance(self.engine, SamplerEngine): self.engine.program = self.sampler
 
     def rollout(self, index: int | None = None, engine: RolloutEngine | None = None) -> dict:
         "Sample this step's prompts and completions, score them, and build the training batch (numpy); `index` (default: the step) seeds the sampler, `engine` (default: `self.engine`) generates."
@@ -425,7 +455,7 @@ class RLTrainer(Trainer):
                                                        r.text, columns, timeout_s=cfg.reward_timeout_s,
                                                        isolation=cfg.reward_isolation)
         total, mask, shaping = shape_completions(cfg, total, r.completion_ids, r.completion_mask, self.sampling["eos_ids"])
-        adv = rollout_advantages(cfg, total)
+        adv = np.asarray(self.advantages_fn(np.asarray(total, np.float32)), np.float32)   # `advantage_estimator`'s, one program
         batch = dict(prompt_ids=r.prompt_ids, prompt_mask=r.prompt_mask, completion_ids=r.completion_ids,
                      completion_mask=mask, advantages=adv)
         info = {**rollout_metrics(total, adv, r.completion_ids, r.completion_mask, G, self.sampling["eos_ids"]),
@@ -441,12 +471,12 @@ class RLTrainer(Trainer):
     def _update(self, ro: dict) -> dict:
         cfg, batch, info = self.cfg, dict(ro["batch"]), dict(ro["info"])
         self.stop_if_failing(ro)     # a step in which every item failed: after max_failed_steps of them, one line
-        t0, dev = time.perf_counter(), sharding.shard_batch(batch, self.mesh)
+        t0, sampler_logps = time.perf_counter(), np.asarray(ro["sampler_logps"], np.float32)
+        dev = sharding.shard_batch({**batch, "sampler_logps": sampler_logps}, self.mesh)   # the log-prob passes' batch
         correct = self.correction["mode"] != "none"
         if self.updates_per_step > 1 or correct:   # the policy moves before the last update, or the sampler is not it
-            batch["old_per_token_logps"] = np.asarray(self.run_step("logps_fn", self.params, self.rest, dev))   # π_prox
-            w, m = _importance_fn(batch["old_per_token_logps"], ro["sampler_logps"], batch["completion_mask"],
-                                      **self.correction)
+            lp, w, m = self.run_step("logps_pass", self.params, self.rest, dev)
+            batch["old_per_token_logps"] = np.asarray(lp)   # π_prox
             info |= {k: float(v) for k, v in m.items()}
             if correct: batch["importance_weights"] = np.asarray(w)
         else: batch["sampler_logps"] = ro["sampler_logps"]   # the one update's forward pass measures the difference
@@ -470,7 +500,7 @@ class RLTrainer(Trainer):
     def evaluate(self) -> dict:
         "pass@1 (greedy), pass@k, maj@k and format rate on the eval split, of episodes with `environment=` (see 14_evaluate)."
         with jax.set_mesh(self.mesh):
-            res = held_out_metrics(self.cfg, self.model, self.tokenizer, self.eval_examples)
+            res = held_out_metrics(self.cfg, self.model, self.tokenizer, self.eval_examples, program=self.sampler)
         return {k: v for k, v in res.items() if not isinstance(v, (list, dict))}
 
     def data_state(self) -> dict: return self.prompts.state()
@@ -483,6 +513,30 @@ class RLTrainer(Trainer):
                     "max_completion_length, or more devices (fsdp_parallelism)")
 
 # %% ../nbs/15_rl.ipynb
+def _compile_programs_ahead(self: RLTrainer) -> None:
+    "Start compiling the update, the log-prob pass, the sampler and the advantages on threads, for the shapes of this run's batches (prompts padded to `self.bucket`)."
+    cfg, G, B, T, P = self.cfg, self.cfg.num_generations, self.cfg.global_batch_size, self.cfg.max_completion_length, self.bucket
+    zeros = lambda rows, *shape, dtype=np.float32: np.zeros((rows, *shape), dtype)
+    batch = lambda rows, *keys: sharding.shard_batch(
+        {**{k: zeros(rows, P, dtype=np.int32) for k in ("prompt_ids", "prompt_mask")}, "advantages": zeros(rows),
+         **{k: zeros(rows, T, dtype=np.int32) for k in ("completion_ids", "completion_mask")},
+         **{k: zeros(rows, T) for k in keys}}, self.mesh)
+    correct, prox = self.correction["mode"] != "none", self.updates_per_step > 1 or self.correction["mode"] != "none"
+    step_keys = (("old_per_token_logps", *(("importance_weights",) if correct else ())) if prox else ("sampler_logps",)) \
+                + (("ref_per_token_logps",) if self.reference is not None else ())
+    compile_step_ahead(self, "step_fn", self.params, self.rest, self.opt_state, batch(self.mini_batch, *step_keys))
+    if prox or self.reference is not None:   # (after the remat policy `auto` starts at is set, above)
+        compile_ahead(self.logps_pass, self.params, self.rest, batch(B, "sampler_logps"), mesh=self.mesh)
+    compile_ahead(self.advantages_fn, zeros(B))
+    if isinstance(self.engine, SamplerEngine):
+        knobs = (np.float32(cfg.temperature), np.int32(cfg.top_k), np.float32(cfg.top_p),
+                 stop_id_array(self.sampling["eos_ids"]), np.int32(self.sampling["pad_id"]))
+        compile_ahead(self.sampler.fn, nnx.state(self.model), *self.sampler.inputs(
+            zeros(B // G, P, dtype=np.int32), zeros(B // G, P, dtype=np.int32), G, seed_key_data(0), *knobs), mesh=self.mesh)
+
+RLTrainer.compile_programs_ahead = _compile_programs_ahead
+
+# %% ../nbs/15_rl.ipynb
 def episode_batch(ep: Episodes, rewards_b: np.ndarray, num_generations: int, scale: str = "group") -> tuple[dict, np.ndarray]:
     "The training batch of `Episodes` and their total rewards (0 where the environment failed), and those rewards."
     failed = np.array([e is not None for e in ep.env_errors])
@@ -491,7 +545,7 @@ def episode_batch(ep: Episodes, rewards_b: np.ndarray, num_generations: int, sca
     G, P = num_generations, ep.prompt_ids * ep.prompt_mask
     same = (P.reshape(-1, G, P.shape[1]) == P[::G][:, None]).all(-1).reshape(-1)   # the log-prob pass shares a group's prompt
     mask[~same] = 0
-    adv = np.asarray(group_advantages(jnp.asarray(total), G, scale=scale), np.float32)
+    adv = np.asarray(_advantages_fn(total, G, scale=scale), np.float32)
     return dict(prompt_ids=ep.prompt_ids, prompt_mask=ep.prompt_mask, completion_ids=ep.completion_ids,
                 completion_mask=mask, advantages=adv), total
 

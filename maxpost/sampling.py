@@ -6,6 +6,7 @@
 from __future__ import annotations
 import dataclasses, functools, math, warnings
 from collections.abc import Sequence
+from typing import Any
 from functools import partial
 import numpy as np
 import jax
@@ -18,8 +19,9 @@ from .model import LOGITS_CHUNK_SIZE, chunk_length, join_chunks, split_chunks, t
 # %% auto 0
 __all__ = ['bucket_length', 'left_pad', 'warn_truncated_prompts', 'prompt_positions', 'filter_logits', 'draw_categorical',
            'first_argmax', 'sample_token', 'scaled_logps', 'sample_token_logp', 'scaled_entropy', 'prefill',
-           'decode_chunk', 'decode', 'repeat_rows', 'sample_completions', 'stop_id_array', 'Rollout', 'generate',
-           'chunked_logps', 'completion_logps', 'split_groups', 'merge_groups', 'make_logps_fn']
+           'decode_chunk', 'decode', 'repeat_rows', 'seed_key_data', 'sample_completions', 'stop_id_array', 'take_rows',
+           'prefill_blocks', 'make_sample_fn', 'SamplingProgram', 'Rollout', 'generate', 'chunked_logps',
+           'completion_logps', 'split_groups', 'merge_groups', 'make_logps_fn']
 
 # %% ../nbs/10_sampling.ipynb
 def bucket_length(n: int, max_prompt_length: int, min_bucket: int = 16) -> int:
@@ -174,16 +176,27 @@ def repeat_rows(tree, g: int):
                         is_leaf=_is_cache)
 
 # %% ../nbs/10_sampling.ipynb
+def seed_key_data(seed: int):
+    "`jax.random.key_data(jax.random.key(seed))` made on the host, uint32 [2] (no program runs); under a PRNG implementation other than threefry, `jax.random.key(seed)` itself."
+    if jax.config.jax_default_prng_impl != "threefry2x32": return jax.random.key(seed)
+    s = int(seed)
+    return np.array([(s >> 32) & 0xFFFFFFFF if jax.config.jax_enable_x64 else 0, s & 0xFFFFFFFF], np.uint32)
+
+def _as_key(key):
+    "A typed PRNG key from `key` or from its uint32 data (`seed_key_data`)."
+    return key if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(key)
+
+# %% ../nbs/10_sampling.ipynb
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_completion_length", "chunk", "num_generations"))
 def sample_completions(graphdef, state, prompt_ids, prompt_mask, key, temperature, top_k, top_p, eos_ids, pad_id,
                        *, max_completion_length: int, chunk: int | None = None, num_generations: int = 1):
-    "Prefill + decode in one compiled program: (completion ids, mask, log-probs [B*G,T], decode steps run); row b samples prompt b // G. `chunk`: decode steps per loop (default `decode_chunk`)."
+    "Prefill + decode in one compiled program: (completion ids, mask, log-probs [B*G,T], decode steps run); row b samples prompt b // G; `key`: a PRNG key or its data (`seed_key_data`). `chunk`: decode steps per loop (default `decode_chunk`)."
     model = nnx.merge(graphdef, state)
     chunk = decode_chunk(max_completion_length) if chunk is None else chunk
     logits, cache = prefill(model, prompt_ids, prompt_mask, prompt_ids.shape[1] + min(chunk, max_completion_length))
     if num_generations > 1:           # one prefill per prompt; its G samples decode from copies of its cache
         logits, cache, prompt_mask = repeat_rows((logits, cache, prompt_mask), num_generations)
-    return decode(model, cache, logits, prompt_mask.sum(1), key, temperature, top_k, top_p, eos_ids, pad_id,
+    return decode(model, cache, logits, prompt_mask.sum(1), _as_key(key), temperature, top_k, top_p, eos_ids, pad_id,
                   max_completion_length, chunk)
 
 # %% ../nbs/10_sampling.ipynb
@@ -192,6 +205,75 @@ def stop_id_array(eos_ids: Sequence[int], multiple: int = 8) -> np.ndarray:
     ids = [int(i) for i in eos_ids]
     n = -(-max(len(ids), 1) // multiple) * multiple
     return np.array(ids + [-1] * (n - len(ids)), np.int32)
+
+# %% ../nbs/10_sampling.ipynb
+def take_rows(tree, rows_b: jax.Array):
+    "Every array in `tree` with its rows gathered by `rows_b` (row b becomes row `rows_b[b]`); scalars unchanged; a KV cache's keys and values on their row axis 1 (stacked over the layers)."
+    def take(x, axis=0): return jnp.take(x, rows_b, axis=axis, mode="clip") if x.ndim else x
+    def rows(x):
+        if not _is_cache(x): return take(x)
+        return {k: take(v, 1 if k in ("k", "v") else 0) for k, v in x.items()}
+    return jax.tree.map(rows, tree, is_leaf=_is_cache)
+
+# %% ../nbs/10_sampling.ipynb
+def prefill_blocks(model, prompt_ids: jax.Array, prompt_mask: jax.Array, num_blocks, block: int, cache_length: int):
+    "`prefill` of the first `num_blocks` (traced) blocks of `block` prompts of `prompt_ids` [N,P], one block after another: (next-token logits [N,V], cache of N rows); rows past those blocks stay empty (zeros)."
+    N = prompt_ids.shape[0]
+    if N % block: raise ValueError(f"{N} prompt slots are not whole blocks of {block} prompts")
+    if N == block: return prefill(model, prompt_ids, prompt_mask, cache_length)
+    def body(i, carry):
+        logits, cache = carry
+        cut = lambda x: jax.lax.dynamic_slice_in_dim(x, i * block, block, 0)
+        lg, c = prefill(model, cut(prompt_ids), cut(prompt_mask), cache_length)
+        put = lambda big, small, axis=0: jax.lax.dynamic_update_slice_in_dim(big, small, i * block, axis)
+        return put(logits, lg), {k: c[k] if k == "index" else put(cache[k], c[k], 1 if k in ("k", "v") else 0)
+                                 for k in cache}
+    init = (jnp.zeros((N, model.cfg.vocab_size), jnp.float32), init_cache(model.cfg, N, cache_length))
+    return jax.lax.fori_loop(0, num_blocks, body, init)
+
+# %% ../nbs/10_sampling.ipynb
+def make_sample_fn(graphdef, *, max_completion_length: int, block: int, chunk: int | None = None):
+    "Jitted `sample_completions(state, prompt_ids [N,P], prompt_mask, rows_b [B], num_blocks, key, temperature, top_k, top_p, eos_ids, pad_id)`: prefill the first `num_blocks` blocks of `block` prompts, decode row b from prompt `rows_b[b]`; (completion ids, mask, log-probs [B,T], decode steps run). One program per (N, P, B, stop-id slots): a run's calls share it."
+    T = max_completion_length
+    chunk = decode_chunk(T) if chunk is None else chunk
+    def sample_completions(state, prompt_ids, prompt_mask, rows_b, num_blocks, key, temperature, top_k, top_p,
+                           eos_ids, pad_id):
+        model = nnx.merge(graphdef, state)
+        logits, cache = prefill_blocks(model, prompt_ids, prompt_mask, num_blocks, block,
+                                       prompt_ids.shape[1] + min(chunk, T))
+        logits, cache, mask = take_rows((logits, cache, prompt_mask), rows_b)
+        return decode(model, cache, logits, mask.sum(1), _as_key(key), temperature, top_k, top_p, eos_ids, pad_id, T, chunk)
+    return jax.jit(sample_completions)
+
+# %% ../nbs/10_sampling.ipynb
+@dataclasses.dataclass
+class SamplingProgram:
+    "A run's one sampling program: `rows` decode rows and prompt slots, prompts prefilled `block` at a time, prompts padded to at least `min_bucket` tokens; `fn`: `make_sample_fn`'s program (or a `StepCompiler` of it)."
+    graphdef: Any
+    rows: int
+    block: int
+    max_completion_length: int
+    min_bucket: int = 16
+    fn: Any = None
+
+    def __post_init__(self):
+        if self.rows % self.block: raise ValueError(f"rows={self.rows} must be whole blocks of block={self.block}")
+        if self.fn is None: self.fn = make_sample_fn(self.graphdef, max_completion_length=self.max_completion_length,
+                                                     block=self.block)
+
+    def serves(self, graphdef, num_prompts: int, num_generations: int, max_completion_length: int) -> bool:
+        "Whether `num_prompts` x `num_generations` completions of a model of structure `graphdef` fit this program."
+        return (graphdef == self.graphdef and max_completion_length == self.max_completion_length
+                and num_prompts * num_generations <= self.rows)
+
+    def inputs(self, prompt_ids: np.ndarray, prompt_mask: np.ndarray, num_generations: int, key, *knobs) -> tuple:
+        "The program's arguments after the state: N left-padded prompts in the first of `rows` slots (the rest copies of the first), row b continuing prompt min(b // G, N - 1), the blocks holding them, then `key` and the knobs as given."
+        n = len(prompt_ids)
+        fill = lambda x: np.concatenate([x, np.repeat(x[:1], self.rows - n, 0)])
+        rows_b = np.minimum(np.arange(self.rows) // num_generations, n - 1).astype(np.int32)
+        return (fill(prompt_ids), fill(prompt_mask), rows_b, np.int32(-(-n // self.block)), key, *knobs)
+
+    def __call__(self, state, *inputs): return self.fn(state, *inputs)
 
 # %% ../nbs/10_sampling.ipynb
 @dataclasses.dataclass
@@ -208,24 +290,29 @@ class Rollout:
 def generate(model, prompt_ids: Sequence[Sequence[int]], *, max_prompt_length: int, max_completion_length: int,
              num_generations: int = 1, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              eos_ids: Sequence[int] = (), pad_id: int = 0, seed: int = 0, tokenizer=None,
-             min_bucket: int = 16) -> Rollout:
-    "Sample `num_generations` completions of each prompt with a KV cache; returns a `Rollout`."
+             min_bucket: int = 16, program: SamplingProgram | None = None) -> Rollout:
+    "Sample `num_generations` completions of each prompt with a KV cache; returns a `Rollout`. With `program` (a run's `SamplingProgram`): through it whenever the call fits, prompts padded to at least its `min_bucket`."
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0: raise ValueError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
     if num_generations < 1 or max_completion_length < 1: raise ValueError("need num_generations >= 1 and max_completion_length >= 1")
+    if program is not None: min_bucket = max(min_bucket, program.min_bucket)
     ids, mask, n_trunc = left_pad(prompt_ids, max_prompt_length, pad_id, min_bucket)
     warn_truncated_prompts(n_trunc, len(ids), max_prompt_length)
     graphdef, state = nnx.split(model)
-    out = sample_completions(graphdef, state, ids, mask, jax.random.key(seed), np.float32(temperature),
-                             np.int32(top_k), np.float32(top_p), stop_id_array(eos_ids), np.int32(pad_id),
-                             max_completion_length=max_completion_length, num_generations=num_generations)
-    ids, mask = np.repeat(ids, num_generations, 0), np.repeat(mask, num_generations, 0)
-    c_ids, c_mask, logps = (np.asarray(a) for a in out[:3])
-    text = None
-    if tokenizer is not None:
-        stop = {int(i) for i in eos_ids}
-        text = [tokenizer.decode([int(t) for t in r[m > 0] if int(t) not in stop], skip_special_tokens=False)
-                for r, m in zip(c_ids, c_mask)]
-    return Rollout(ids, mask, c_ids, c_mask, logps, text, n_trunc)
+    G, key = num_generations, seed_key_data(seed)
+    knobs = (np.float32(temperature), np.int32(top_k), np.float32(top_p), stop_id_array(eos_ids), np.int32(pad_id))
+    if program is not None and program.serves(graphdef, len(ids), G, max_completion_length):
+        out = program(state, *program.inputs(ids, mask, G, key, *knobs))
+    else: out = sample_completions(graphdef, state, ids, mask, key, *knobs, max_completion_length=max_completion_length,
+                                   num_generations=G)
+    c_ids, c_mask, logps = (np.asarray(a)[:len(ids) * G] for a in out[:3])    # a program's rows past the call's: cut
+    text = _texts(tokenizer, c_ids, c_mask, eos_ids) if tokenizer is not None else None
+    return Rollout(np.repeat(ids, G, 0), np.repeat(mask, G, 0), c_ids, c_mask, logps, text, n_trunc)
+
+def _texts(tokenizer, c_ids, c_mask, eos_ids) -> list[str]:
+    "Each completion decoded up to and excluding its stop token (special tokens that are not stop ids kept)."
+    stop = {int(i) for i in eos_ids}
+    return [tokenizer.decode([int(t) for t in r[m > 0] if int(t) not in stop], skip_special_tokens=False)
+            for r, m in zip(c_ids, c_mask)]
 
 # %% ../nbs/10_sampling.ipynb
 def _logps_chunk(h_btd, w_vd, tokens_bt, temperature, with_entropy: bool):

@@ -406,3 +406,23 @@ def test_held_out_metrics_plays_episodes_only_with_an_environment(tok):
     model = create_model(get_model_config("tiny", num_layers=1), seed=0)
     out = held_out_metrics(single, model, tok, examples)
     assert "tool_use" not in out and out["mean_completion_length"] <= 4
+
+
+def test_evaluation_through_a_runs_sampling_program_gives_the_same_greedy_completions(tok):
+    """issue 47 item 3: an RL run evaluates through its one sampling program (as many rows as its rollout batch,
+    prompts prefilled a block at a time, every prompt padded to at least the run's bucket): the padding is masked, so
+    the greedy completions, pass@1, format rate and lengths are those of an evaluation without it, while its greedy
+    pass and its k samples all run that one program."""
+    from flax import nnx
+    from maxpost.model import get_model_config, create_model
+    model = create_model(get_model_config("tiny", num_layers=1, d_model=64, num_heads=2, num_kv_heads=1, head_dim=32,
+                                          mlp_dim=128), seed=1)
+    examples = [dict(e, answer=gsm8k_gold(e["answer"])) for e in tasks.generate_problems(10, seed=0, split="test")]
+    kw = dict(k=2, max_prompt_length=256, max_completion_length=8, return_completions=True)
+    program = sampling.SamplingProgram(nnx.graphdef(model), rows=8, block=2, max_completion_length=8, min_bucket=256)
+    before, shared = evaluate(model, tok, examples, **kw), evaluate(model, tok, examples, program=program, **kw)
+    assert [c["completion"] for c in shared["completions"]] == [c["completion"] for c in before["completions"]]
+    for key in ("pass@1", "format_rate", "mean_completion_length", "truncation_rate", "num_prompts"):
+        assert shared[key] == before[key], key
+    assert max(len(p) for p in prompt_token_ids(tok, [e["question"] for e in examples])) <= 128   # 256: padding only
+    assert program.fn._cache_size() == 1                    # greedy over 8 prompts a call, 2 samples of 4: one program
