@@ -18,8 +18,8 @@ from .policy import setup_run
 from .rundir import read_metrics
 from .rewards import extract_answer, answers_match, format_reward, format_reward_for, gsm8k_gold, check_gold_answers
 from .prompts import prompt_token_ids, stop_token_ids
-from .environments import (EpisodeConfig, episode_limits, episode_problems, environment_factory,
-                                  make_environments, rollout_episodes)
+from .environments import (ENVIRONMENT_TIMEOUT_S, EpisodeConfig, episode_limits, episode_problems,
+                                  environment_factory, make_environments, rollout_episodes)
 
 # %% auto 0
 __all__ = ['EvalConfig', 'eval_config_for', 'load_examples', 'load_eval_examples', 'pass_at_k', 'majority_vote', 'score_samples',
@@ -187,9 +187,9 @@ def eval_options(cfg: GenerationConfig) -> dict:
                 temperature=cfg.temperature if cfg.temperature > 0 else 1.0, top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed)
 
 # %% ../nbs/14_evaluate.ipynb
-def _play(model, tokenizer, examples, factory, batch_size, seed, **kw):
-    "`rollout_episodes` over `examples` in chunks of `batch_size`: the chunks' Episodes."
-    return [rollout_episodes(model, tokenizer, make_environments(factory, len(examples[s:s + batch_size])),
+def _play(model, tokenizer, examples, factory, batch_size, seed, timeout_s=ENVIRONMENT_TIMEOUT_S, **kw):
+    "`rollout_episodes` over `examples` in chunks of `batch_size`, each environment call within `timeout_s`: the chunks' Episodes."
+    return [rollout_episodes(model, tokenizer, make_environments(factory, len(examples[s:s + batch_size]), timeout_s=timeout_s),
                              examples[s:s + batch_size], seed=_chunk_seed(seed, i), **kw)
             for i, s in enumerate(range(0, len(examples), batch_size))]
 
@@ -205,13 +205,15 @@ def _episode_stats(eps: list) -> dict:
 def evaluate_episodes(model, tokenizer, examples: Sequence[dict], factory, *, k: int = 8, template: str = "gsm8k",
                       max_prompt_length: int = 128, max_turns: int = 6, max_turn_tokens: int = 128,
                       max_episode_tokens: int = 512, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                      batch_size: int = 64, seed: int = 0, return_completions: bool = False) -> dict:
-    "pass@1 (a greedy episode per example), pass@k and maj@k (k sampled episodes), format rate and tool use of `model` playing `factory`'s environment."
+                      batch_size: int = 64, seed: int = 0, return_completions: bool = False,
+                      environment_timeout_s: float = ENVIRONMENT_TIMEOUT_S) -> dict:
+    "pass@1 (a greedy episode per example), pass@k and maj@k (k sampled episodes), format rate and tool use of `model` playing `factory`'s environment (its factory, `reset` and `step` each within `environment_timeout_s`)."
     if not examples: raise ValueError("no examples to evaluate")
     golds, n = [str(e["answer"]) for e in examples], len(examples)
     kw = dict(max_prompt_length=max_prompt_length, max_turns=max_turns, max_turn_tokens=max_turn_tokens,
               max_episode_tokens=max_episode_tokens, eos_ids=stop_token_ids(tokenizer),
               pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+    kw["timeout_s"] = environment_timeout_s
     greedy = _play(model, tokenizer, list(examples), factory, batch_size, seed, temperature=0.0, **kw)
     texts = [t for e in greedy for t in e.text]
     samples = None
@@ -236,7 +238,8 @@ def held_out_metrics(cfg: GenerationConfig, model, tokenizer, examples: Sequence
                                                                       program=program, **opts)
     opts.pop("max_completion_length")
     return evaluate_episodes(model, tokenizer, examples, environment_factory(cfg.environment),
-                             return_completions=return_completions, **opts, **episode_limits(cfg))
+                             return_completions=return_completions, **opts, **episode_limits(cfg),
+                             environment_timeout_s=cfg.environment_timeout_s)
 
 # %% ../nbs/14_evaluate.ipynb
 def show_generations(run_directory, cfg: RunConfig, n: int = 3) -> list[dict]:

@@ -190,3 +190,19 @@ def test_a_huge_message_costs_no_more_memory_than_a_small_one(tmp_path):
         assert ("cut_messages" in r.stderr) == (size == HUGE), r.stderr[-2000:]
         rss[size] = int(r.stdout.split()[-1])
     assert rss[HUGE] - rss[10] < 200, rss
+
+
+def test_evaluation_honours_environment_timeout_s():
+    """`maxpost eval environment=...` accepted environment_timeout_s but played its episodes under the default 60 s:
+    a hanging step cost a minute per batch whatever the key said. Now the evaluation's episodes end within the key's
+    limit, each an environment error."""
+    from maxpost.environments import ScriptedEngine
+    from maxpost.evaluate import evaluate_episodes
+    from maxpost.tasks import build_tokenizer
+    tok = build_tokenizer()
+    t0 = time.perf_counter()
+    out = evaluate_episodes(ScriptedEngine(tok, lambda c: "Hello"), tok, [{"question": f"Q{i}", "answer": "1"} for i in range(2)],
+                            _HangsInStep, k=0, max_turns=3, max_episode_tokens=64, max_prompt_length=32,
+                            environment_timeout_s=LIMIT)
+    assert time.perf_counter() - t0 < 40, "the evaluation waited for the default limit (60 s), not environment_timeout_s"
+    assert out["env_errors"] == 2 and out["pass@1"] == 0.0
