@@ -9,6 +9,7 @@ from collections import Counter
 from typing import Any, Callable
 
 import jax, jax.numpy as jnp
+from fastcore.basics import patch
 from flax import nnx
 
 from .config import ConfigError
@@ -50,24 +51,27 @@ class RolloutProducer:
                 self.queue.put(ro)
         except BaseException as e: self.error = e
 
-    def next(self, version: int) -> tuple[dict, int]:
-        "The oldest queued rollout that lags `version` (the trainer's) by at most `max_staleness`, and its lag; older ones are dropped and counted."
-        while True:
-            try: ro = self.queue.get(timeout=0.05)
-            except queue.Empty:
-                if self.error is not None: raise RuntimeError(f"the rollout thread failed: {self.error!r}") from self.error
-                if not self.thread.is_alive(): raise RuntimeError("the rollout thread has stopped")
-                continue
-            self.slots.release()
-            lag = version - ro["version"]
-            if lag <= self.max_staleness:
-                self.staleness[lag] += 1
-                return ro, lag
-            self.dropped += 1
+# %% ../nbs/15c_async.ipynb
+@patch
+def next(self: RolloutProducer, version: int) -> tuple[dict, int]:
+    "The oldest queued rollout that lags `version` (the trainer's) by at most `max_staleness`, and its lag; older ones are dropped and counted."
+    while True:
+        try: ro = self.queue.get(timeout=0.05)
+        except queue.Empty:
+            if self.error is not None: raise RuntimeError(f"the rollout thread failed: {self.error!r}") from self.error
+            if not self.thread.is_alive(): raise RuntimeError("the rollout thread has stopped")
+            continue
+        self.slots.release()
+        lag = version - ro["version"]
+        if lag <= self.max_staleness:
+            self.staleness[lag] += 1
+            return ro, lag
+        self.dropped += 1
 
-    def close(self) -> None:
-        "Stop the thread (it finishes the rollout under way); what is queued is dropped."
-        self.stopping.set(); self.thread.join()
+@patch
+def close(self: RolloutProducer) -> None:
+    "Stop the thread (it finishes the rollout under way); what is queued is dropped."
+    self.stopping.set(); self.thread.join()
 
 # %% ../nbs/15c_async.ipynb
 def split_devices(cfg: RLConfig) -> tuple[list, list]:
@@ -87,13 +91,6 @@ class AsyncRLTrainer(RLTrainer):
     "`RLTrainer` whose rollouts come from a `RolloutProducer` thread when `max_staleness` > 0 (k = 0: `RLTrainer.train_step` itself)."
     asynchronous = True
 
-    @classmethod
-    def runs(cls, cfg: RLConfig) -> bool: return cfg.max_staleness > 0   # the kind `rl` chooses this trainer then (Kind.trainer_for)
-
-    @classmethod
-    def setup_options(cls, cfg: RLConfig) -> dict:
-        return dict(devices=split_devices(cfg)[0])   # the trainer's mesh leaves out the rollouts' devices
-
     def __init__(self, cfg: RLConfig, setup: Setup, **kw):
         super().__init__(cfg, setup, **kw)
         self.producer, self.consumed_data_state, self.rollout_rest = None, None, None
@@ -105,44 +102,59 @@ class AsyncRLTrainer(RLTrainer):
         if cfg.max_staleness and not isinstance(self.engine, SamplerEngine):
             self.engine_of_producer, self.engine = self.engine, SamplerEngine(self.model, self.tokenizer, self.sampler)
 
-    def snapshot(self):
-        "The trainable weights for the producer: a copy on the rollout mesh, or on the trainer's own (the update donates `self.params`, so the producer cannot share them)."
-        if self.rollout_mesh is self.mesh: return jax.tree.map(jnp.copy, self.params)
-        return sharding.shard_state(self.params, self.rollout_mesh)
+# %% ../nbs/15c_async.ipynb
+@patch(cls_method=True)
+def runs(cls: AsyncRLTrainer, cfg: RLConfig) -> bool: return cfg.max_staleness > 0   # the kind `rl` chooses this trainer then (Kind.trainer_for)
 
-    def produce(self, params, index: int) -> dict:
-        "One rollout (in the producer's thread) by maxpost's sampler holding `params` on the rollout mesh, or by the producer's engine once `params` are pushed into it; `index` seeds it."
-        engine, sync_s = self.engine_of_producer, 0.0
-        if engine is None: engine = SamplerEngine(nnx.merge(self.graphdef, params, self.rollout_rest), self.tokenizer, self.sampler)
-        elif params is not self.engine_weights:   # a new version (every weight_sync_steps): never mid-sequence
-            sync_s, self.engine_weights = engine.sync_weights(nnx.merge(self.graphdef, params, self.rollout_rest)), params
-        with jax.set_mesh(self.rollout_mesh): ro = self.rollout(index, engine)   # the mesh is per thread
-        ro["info"]["timing/rollout_weight_sync"] = sync_s
-        return ro
+@patch(cls_method=True)
+def setup_options(cls: AsyncRLTrainer, cfg: RLConfig) -> dict:
+    return dict(devices=split_devices(cfg)[0])   # the trainer's mesh leaves out the rollouts' devices
 
-    def train_step(self) -> dict:
-        k = self.cfg.max_staleness
-        if k == 0: return super().train_step()
-        if self.producer is None:   # first step of the run or of a resume: start from the (restored) weights
-            self.consumed_data_state = self.prompts.state()
-            self.rollout_rest = self.rest if self.rollout_mesh is self.mesh else sharding.shard_state(self.rest, self.rollout_mesh)
-            self.producer = RolloutProducer(self.produce, k, self.snapshot(), self.step, index=self.step,
-                                            ahead=k - self.cfg.weight_sync_steps + 1)   # so no lag exceeds k
-        t0 = time.perf_counter()
-        ro, lag = self.producer.next(self.step)
-        wait = time.perf_counter() - t0
-        self.consumed_data_state = ro["data_state"]
-        info = self.update(ro)
-        if (self.step + 1) % self.cfg.weight_sync_steps == 0: self.producer.publish(self.snapshot(), self.step + 1)
-        return info | {"async/staleness": lag, "async/dropped": self.producer.dropped, "timing/rollout_wait": wait}
+# %% ../nbs/15c_async.ipynb
+@patch
+def snapshot(self: AsyncRLTrainer):
+    "The trainable weights for the producer: a copy on the rollout mesh, or on the trainer's own (the update donates `self.params`, so the producer cannot share them)."
+    if self.rollout_mesh is self.mesh: return jax.tree.map(jnp.copy, self.params)
+    return sharding.shard_state(self.params, self.rollout_mesh)
 
-    def data_state(self) -> dict:
-        "The prompts' position after the last rollout trained on (queued and in-flight rollouts are not counted)."
-        return self.prompts.state() if self.producer is None else dict(self.consumed_data_state)
+@patch
+def produce(self: AsyncRLTrainer, params, index: int) -> dict:
+    "One rollout (in the producer's thread) by maxpost's sampler holding `params` on the rollout mesh, or by the producer's engine once `params` are pushed into it; `index` seeds it."
+    engine, sync_s = self.engine_of_producer, 0.0
+    if engine is None: engine = SamplerEngine(nnx.merge(self.graphdef, params, self.rollout_rest), self.tokenizer, self.sampler)
+    elif params is not self.engine_weights:   # a new version (every weight_sync_steps): never mid-sequence
+        sync_s, self.engine_weights = engine.sync_weights(nnx.merge(self.graphdef, params, self.rollout_rest)), params
+    with jax.set_mesh(self.rollout_mesh): ro = self.rollout(index, engine)   # the mesh is per thread
+    ro["info"]["timing/rollout_weight_sync"] = sync_s
+    return ro
 
-    def close(self) -> None:
-        if self.producer is not None: self.producer.close(); self.producer = None
-        super().close()
+# %% ../nbs/15c_async.ipynb
+@patch
+def train_step(self: AsyncRLTrainer) -> dict:
+    k = self.cfg.max_staleness
+    if k == 0: return super(AsyncRLTrainer, self).train_step()
+    if self.producer is None:   # first step of the run or of a resume: start from the (restored) weights
+        self.consumed_data_state = self.prompts.state()
+        self.rollout_rest = self.rest if self.rollout_mesh is self.mesh else sharding.shard_state(self.rest, self.rollout_mesh)
+        self.producer = RolloutProducer(self.produce, k, self.snapshot(), self.step, index=self.step,
+                                        ahead=k - self.cfg.weight_sync_steps + 1)   # so no lag exceeds k
+    t0 = time.perf_counter()
+    ro, lag = self.producer.next(self.step)
+    wait = time.perf_counter() - t0
+    self.consumed_data_state = ro["data_state"]
+    info = self.update(ro)
+    if (self.step + 1) % self.cfg.weight_sync_steps == 0: self.producer.publish(self.snapshot(), self.step + 1)
+    return info | {"async/staleness": lag, "async/dropped": self.producer.dropped, "timing/rollout_wait": wait}
+
+@patch
+def data_state(self: AsyncRLTrainer) -> dict:
+    "The prompts' position after the last rollout trained on (queued and in-flight rollouts are not counted)."
+    return self.prompts.state() if self.producer is None else dict(self.consumed_data_state)
+
+@patch
+def close(self: AsyncRLTrainer) -> None:
+    if self.producer is not None: self.producer.close(); self.producer = None
+    super(AsyncRLTrainer, self).close()
 
 # %% ../nbs/15c_async.ipynb
 def train_async_rl(cfg: RLConfig, *, progress: bool = True, reward_fns=None) -> dict:

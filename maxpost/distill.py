@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 import jax, jax.numpy as jnp, numpy as np
+from fastcore.basics import patch
 from flax import nnx
 
 from .config import TrainConfig, GenerationConfig, ConfigError, key, register_kind, run_dir
@@ -28,12 +29,6 @@ from .timing import flops_per_token
 from .train import Trainer
 from .commands import command_config, start_trainer, train_command
 from .step import make_update_step
-
-def _patch(f):
-    "`def _name(self: C, ...)` becomes the method `C.name` (fastcore's `@patch`, without the dependency; the leading _ keeps the module's names its own)."
-    cls = f.__annotations__["self"]
-    setattr(f.__globals__[cls] if isinstance(cls, str) else cls, f.__name__[1:], f)
-    return f
 
 # %% auto 0
 __all__ = ['DISTILL_MODES', 'DEFAULT_BETA', 'ON_POLICY_LOSSES', 'COMPLETION_SOURCES', 'KIND', 'same_checkpoint',
@@ -114,8 +109,8 @@ class DistillConfig(TrainConfig, GenerationConfig):
         return {"beta": DEFAULT_BETA[values["mode"]]} if values.get("mode") in DEFAULT_BETA else {}
 
 # %% ../nbs/15d_distill.ipynb
-@_patch
-def _problems(self: DistillConfig) -> list[str]:
+@patch
+def problems(self: DistillConfig) -> list[str]:
     "`TrainConfig`'s problems, and a teacher that the mode needs."
     out = TrainConfig.problems(self)
     if self.mode != "offline" and not self.teacher_path:
@@ -343,36 +338,56 @@ class DistillTrainer(Trainer):
         with self.clock("data"):   # the held-out check, the prompts (or the offline file) and the held-out problems
             check_held_out(cfg)
             self.offline, self.teacher_graphdef, self.teacher_state = None, None, None
-            if cfg.mode == "offline":
-                self.offline, meta = read_teacher_topk(offline_path(cfg))
-                check_teacher_vocab(self.model_cfg.vocab_size, meta["vocab_size"], str(offline_path(cfg)))
-                check_topk_file(cfg, meta, self.tokenizer, offline_path(cfg))
-                self.order = PromptIterator(list(range(len(self.offline["prompt_ids"]))), seed=cfg.seed)
-            else:
-                teacher = self.models["teacher"]
-                check_teacher_vocab(self.model_cfg.vocab_size, teacher.cfg.vocab_size, cfg.teacher_path)
-                check_teacher_tokenizer(self.tokenizer, (t := teacher_tokenizer(cfg)) and tokenizer_fingerprint(t), cfg.teacher_path)
-                self.teacher_graphdef, self.teacher_state = nnx.split(teacher)     # frozen: never updated, no optimizer state
-                self.order = PromptIterator(distill_examples(cfg, cfg.train_split), seed=cfg.seed)
-                self.teacher_flops = flops_per_token(teacher.cfg, cfg.max_prompt_length + cfg.max_completion_length) / 3
+            if cfg.mode == "offline": self._load_offline()
+            else: self._load_teacher()
             self.eval_examples = load_eval_examples(cfg) if cfg.eval_num_prompts else []
         self.build_steps()
         self.flops_per_token = flops_per_token(self.model_cfg, cfg.max_prompt_length + cfg.max_completion_length)
         if self.teacher_graphdef is not None: self.flops_per_token += self.teacher_flops   # its forward pass
 
+    def evaluate(self) -> dict:   # in the class: `@patch` would bind `evaluate` in this module, the library's name
+        "Held-out greedy pass@1 (and pass@k with `eval_k`) of the student; before the first step also the teacher's, as `teacher_pass@1`."
+        if not self.eval_examples: return {}
+        with jax.set_mesh(self.mesh):
+            res = evaluate(self.model, self.tokenizer, self.eval_examples, **eval_options(self.cfg))
+            out = {k: v for k, v in res.items() if not isinstance(v, (list, dict))}
+            if self.step == 0 and self.cfg.eval_teacher and self.teacher_graphdef is not None:
+                t = evaluate(self.teacher(), self.tokenizer, self.eval_examples, **eval_options(self.cfg))
+                self.teacher_result = {f"teacher_{k}": v for k, v in t.items() if k.startswith("pass@") or k == "format_rate"}
+                out |= self.teacher_result
+        return out
+
 # %% ../nbs/15d_distill.ipynb
-@_patch
-def _build_steps(self: DistillTrainer) -> None:
+@patch
+def _load_offline(self: DistillTrainer) -> None:
+    cfg = self.cfg
+    self.offline, meta = read_teacher_topk(offline_path(cfg))
+    check_teacher_vocab(self.model_cfg.vocab_size, meta["vocab_size"], str(offline_path(cfg)))
+    check_topk_file(cfg, meta, self.tokenizer, offline_path(cfg))
+    self.order = PromptIterator(list(range(len(self.offline["prompt_ids"]))), seed=cfg.seed)
+
+@patch
+def _load_teacher(self: DistillTrainer) -> None:
+    cfg, teacher = self.cfg, self.models["teacher"]
+    check_teacher_vocab(self.model_cfg.vocab_size, teacher.cfg.vocab_size, cfg.teacher_path)
+    check_teacher_tokenizer(self.tokenizer, (t := teacher_tokenizer(cfg)) and tokenizer_fingerprint(t), cfg.teacher_path)
+    self.teacher_graphdef, self.teacher_state = nnx.split(teacher)     # frozen: never updated, no optimizer state
+    self.order = PromptIterator(distill_examples(cfg, cfg.train_split), seed=cfg.seed)
+    self.teacher_flops = flops_per_token(teacher.cfg, cfg.max_prompt_length + cfg.max_completion_length) / 3
+
+# %% ../nbs/15d_distill.ipynb
+@patch
+def build_steps(self: DistillTrainer) -> None:
     self.step_fn = self.compiled(make_distill_step(self.graphdef, self.teacher_graphdef, self.tx, self.cfg),
                                  "the distillation step (student and teacher)")
 
-@_patch
-def _teacher(self: DistillTrainer) -> nnx.Module | None:
+@patch
+def teacher(self: DistillTrainer) -> nnx.Module | None:
     "The frozen teacher as an nnx module (None offline)."
     return None if self.teacher_graphdef is None else nnx.merge(self.teacher_graphdef, self.teacher_state)
 
-@_patch
-def _source_of_step(self: DistillTrainer, step: int) -> str:
+@patch
+def source_of_step(self: DistillTrainer, step: int) -> str:
     "Where step `step`'s completions come from: student, dataset or teacher (gkd: the student with probability `lmbda`, drawn from the seed and the step)."
     cfg = self.cfg
     if cfg.mode == "on_policy": return "student"
@@ -380,8 +395,8 @@ def _source_of_step(self: DistillTrainer, step: int) -> str:
     return cfg.completion_source
 
 # %% ../nbs/15d_distill.ipynb
-@_patch
-def _next_batch(self: DistillTrainer) -> tuple[dict, str]:
+@patch
+def next_batch(self: DistillTrainer) -> tuple[dict, str]:
     "This step's arrays (numpy) and where their completions came from."
     cfg, B = self.cfg, self.cfg.global_batch_size
     if self.offline is not None:
@@ -393,8 +408,8 @@ def _next_batch(self: DistillTrainer) -> tuple[dict, str]:
         if src == "teacher": return sampled_batch(cfg, self.tokenizer, self.teacher(), ex, seed), src
     return dataset_batch(cfg, self.tokenizer, ex), src
 
-@_patch
-def _train_step(self: DistillTrainer) -> dict:
+@patch
+def train_step(self: DistillTrainer) -> dict:
     b, src = self.next_batch()
     self.params, self.opt_state, m = self.run_step("step_fn", self.params, self.rest, self.opt_state, self.teacher_state,
                                                    sharding.shard_batch(b, self.mesh))
@@ -402,23 +417,10 @@ def _train_step(self: DistillTrainer) -> dict:
     return {**m, "num_tokens": tokens, "student_sampled": float(src == "student")}
 
 # %% ../nbs/15d_distill.ipynb
-@_patch
-def _evaluate(self: DistillTrainer) -> dict:
-    "Held-out greedy pass@1 (and pass@k with `eval_k`) of the student; before the first step also the teacher's, as `teacher_pass@1`."
-    if not self.eval_examples: return {}
-    with jax.set_mesh(self.mesh):
-        res = evaluate(self.model, self.tokenizer, self.eval_examples, **eval_options(self.cfg))
-        out = {k: v for k, v in res.items() if not isinstance(v, (list, dict))}
-        if self.step == 0 and self.cfg.eval_teacher and self.teacher_graphdef is not None:
-            t = evaluate(self.teacher(), self.tokenizer, self.eval_examples, **eval_options(self.cfg))
-            self.teacher_result = {f"teacher_{k}": v for k, v in t.items() if k.startswith("pass@") or k == "format_rate"}
-            out |= self.teacher_result
-    return out
-
-@_patch
-def _data_state(self: DistillTrainer) -> dict: return self.order.state()
-@_patch
-def _restore_data(self: DistillTrainer, state: dict) -> None: self.order.restore(state)
+@patch
+def data_state(self: DistillTrainer) -> dict: return self.order.state()
+@patch
+def restore_data(self: DistillTrainer, state: dict) -> None: self.order.restore(state)
 
 # %% ../nbs/15d_distill.ipynb
 def train_distill(cfg: DistillConfig, *, progress: bool = True) -> dict:

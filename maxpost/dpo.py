@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax, jax.numpy as jnp, numpy as np, optax
+from fastcore.basics import patch
 from flax import nnx
 from omegaconf import OmegaConf
 
@@ -65,19 +66,21 @@ class DPOConfig(TrainConfig, GenerationConfig):
     label_column: str = key("label", help="KTO: the column that says whether the reply is desirable (true / false)")
     eval_batches: int = key(4, positive=True, resumable=True, help="held-out batches of pairs for the preference loss")
 
-    def problems(self) -> list[str]:
-        "`TrainConfig`'s problems, and a key set away from its default that the chosen `loss_type` does not read (`LOSS_KEYS`)."
-        out = super().problems()
-        for k, readers in LOSS_KEYS.items():
-            default = type(self).__dataclass_fields__[k].default
-            if self.loss_type not in readers and getattr(self, k) != default:
-                out.append(f"{k}={getattr(self, k)} has no effect with loss_type={self.loss_type!r} (only "
-                           f"{', '.join(readers)} read it); drop it (default {default}) or choose one of those losses")
-        if self.loss_type == "kto" and self.global_batch_size < 2 * self.gradient_accumulation_steps:
-            out.append(f"loss_type='kto' estimates its reference point from mismatched pairs within each micro-batch: "
-                       f"global_batch_size={self.global_batch_size} over gradient_accumulation_steps="
-                       f"{self.gradient_accumulation_steps} leaves fewer than 2 examples in one; raise global_batch_size")
-        return out
+# %% ../nbs/15b_dpo.ipynb
+@patch
+def problems(self: DPOConfig) -> list[str]:
+    "`TrainConfig`'s problems, and a key set away from its default that the chosen `loss_type` does not read (`LOSS_KEYS`)."
+    out = super(DPOConfig, self).problems()
+    for k, readers in LOSS_KEYS.items():
+        default = type(self).__dataclass_fields__[k].default
+        if self.loss_type not in readers and getattr(self, k) != default:
+            out.append(f"{k}={getattr(self, k)} has no effect with loss_type={self.loss_type!r} (only "
+                       f"{', '.join(readers)} read it); drop it (default {default}) or choose one of those losses")
+    if self.loss_type == "kto" and self.global_batch_size < 2 * self.gradient_accumulation_steps:
+        out.append(f"loss_type='kto' estimates its reference point from mismatched pairs within each micro-batch: "
+                   f"global_batch_size={self.global_batch_size} over gradient_accumulation_steps="
+                   f"{self.gradient_accumulation_steps} leaves fewer than 2 examples in one; raise global_batch_size")
+    return out
 
 # %% ../nbs/15b_dpo.ipynb
 def loss_run_name(loss_type: str) -> str:
@@ -131,6 +134,7 @@ def pair_problem(row: dict) -> tuple[str, str] | None:
     if row["chosen"] == row["rejected"]: return "chosen", "is the same as rejected: the pair prefers nothing"
     return None
 
+# %% ../nbs/15b_dpo.ipynb
 def _encode_replies(tokenizer, prompt, replies: list, max_prompt_length: int, max_completion_length: int) -> dict:
     "`prompt_ids` and each reply's `ids` (cut to the lengths), `truncated`, `lengths` before truncation, of `prompt` (a string or a conversation) and `replies` (strings or conversations) rendered as `encode_pair` renders them."
     ids = lambda text, special=False: list(tokenizer(text, add_special_tokens=special)["input_ids"])
@@ -263,21 +267,24 @@ class PairData:
     def __len__(self) -> int: return len(self.rows)
     def encoded(self, i: int) -> dict: return self._encoded[i]
 
-    def batch(self, indices: Sequence[int]) -> dict:
-        "`preference_batch` of the pairs at `indices`, plus `truncated`: how many of them were cut to fit."
-        pairs = [self.encoded(int(i)) for i in indices]
-        return {**preference_batch(pairs, self.pad_id, *self.lengths), "truncated": sum(p["truncated"] for p in pairs)}
+# %% ../nbs/15b_dpo.ipynb
+@patch
+def batch(self: PairData, indices: Sequence[int]) -> dict:
+    "`preference_batch` of the pairs at `indices`, plus `truncated`: how many of them were cut to fit."
+    pairs = [self.encoded(int(i)) for i in indices]
+    return {**preference_batch(pairs, self.pad_id, *self.lengths), "truncated": sum(p["truncated"] for p in pairs)}
 
-    def summary(self) -> str:
-        "One line on the split, as SFT's `check_examples`: its pairs, the prompts and replies truncation cut and how to keep them whole."
-        (P, C), (lp, lc) = self.lengths, self.longest
-        line = (f"{self.what}: {len(self)} {self.noun}, {self.prompts_truncated} prompts truncated to max_prompt_length={P} "
-                f"(their first tokens dropped), {self.replies_truncated} {self.noun} with a reply truncated to "
-                f"max_completion_length={C}")
-        if self.prompts_truncated or self.replies_truncated:
-            line += (f"; the longest prompt has {lp} tokens, the longest reply {lc}: raise max_prompt_length / "
-                     "max_completion_length to keep them whole")
-        return line
+@patch
+def summary(self: PairData) -> str:
+    "One line on the split, as SFT's `check_examples`: its pairs, the prompts and replies truncation cut and how to keep them whole."
+    (P, C), (lp, lc) = self.lengths, self.longest
+    line = (f"{self.what}: {len(self)} {self.noun}, {self.prompts_truncated} prompts truncated to max_prompt_length={P} "
+            f"(their first tokens dropped), {self.replies_truncated} {self.noun} with a reply truncated to "
+            f"max_completion_length={C}")
+    if self.prompts_truncated or self.replies_truncated:
+        line += (f"; the longest prompt has {lp} tokens, the longest reply {lc}: raise max_prompt_length / "
+                 "max_completion_length to keep them whole")
+    return line
 
 # %% ../nbs/15b_dpo.ipynb
 def unpair(pairs: Sequence[dict]) -> list[dict]:
@@ -294,6 +301,7 @@ def unpair(pairs: Sequence[dict]) -> list[dict]:
                 {"prompt": prompt, "completion": rejected, "label": False}]
     return out
 
+# %% ../nbs/15b_dpo.ipynb
 def load_examples(cfg: DPOConfig, split: str, *, source: str | None = None) -> list[dict]:
     "KTO's examples `{prompt, completion, label}` of `split` of `source` (default `dataset_name`; \"\" = the embedded task's pairs): unpaired data as it is, paired data through `unpair`."
     rows, names, where = _read_split(cfg, split, source)
@@ -345,17 +353,20 @@ class ExampleData(PairData):
         try: return encode_example(self.tokenizer, row, *self.lengths)
         except ValueError as e: raise ConfigError(f"{self.what}, row {i} (counting from 0): {e}") from None
 
-    def batch(self, indices: Sequence[int]) -> dict:
-        "[2N] rows of `preference_batch`: 2k example k's prompt and reply, 2k+1 its prompt and the reply of the example before it in `indices` (TRL's rotation); `labels` [2N]; `truncated`."
-        ex = [self.encoded(int(i)) for i in indices]
-        rows = [{"prompt_ids": e["prompt_ids"], "chosen_ids": e["completion_ids"], "rejected_ids": o["completion_ids"]}
-                for e, o in zip(ex, ex[-1:] + ex[:-1])]
-        return {**preference_batch(rows, self.pad_id, *self.lengths), "truncated": sum(e["truncated"] for e in ex),
-                "labels": np.repeat(np.array([e["label"] for e in ex], np.int32), 2)}
+# %% ../nbs/15b_dpo.ipynb
+@patch
+def batch(self: ExampleData, indices: Sequence[int]) -> dict:
+    "[2N] rows of `preference_batch`: 2k example k's prompt and reply, 2k+1 its prompt and the reply of the example before it in `indices` (TRL's rotation); `labels` [2N]; `truncated`."
+    ex = [self.encoded(int(i)) for i in indices]
+    rows = [{"prompt_ids": e["prompt_ids"], "chosen_ids": e["completion_ids"], "rejected_ids": o["completion_ids"]}
+            for e, o in zip(ex, ex[-1:] + ex[:-1])]
+    return {**preference_batch(rows, self.pad_id, *self.lengths), "truncated": sum(e["truncated"] for e in ex),
+            "labels": np.repeat(np.array([e["label"] for e in ex], np.int32), 2)}
 
-    def summary(self) -> str:
-        n = f": {len(self)} {self.noun}"
-        return super().summary().replace(n, f"{n} ({int(self.labels.sum())} desirable, {int((~self.labels).sum())} undesirable)", 1)
+@patch
+def summary(self: ExampleData) -> str:
+    n = f": {len(self)} {self.noun}"
+    return super(ExampleData, self).summary().replace(n, f"{n} ({int(self.labels.sum())} desirable, {int((~self.labels).sum())} undesirable)", 1)
 
 # %% ../nbs/15b_dpo.ipynb
 def preference_options(cfg: DPOConfig) -> dict:
@@ -423,92 +434,12 @@ class DPOTrainer(Trainer):
         super().__init__(cfg, setup)
         self.progress = progress
         with self.clock("data"): check_held_out(cfg)
-        B, lengths = cfg.global_batch_size, (cfg.max_prompt_length, cfg.max_completion_length)
-        cols = {"prompt": cfg.prompt_column, "chosen": cfg.chosen_column, "rejected": cfg.rejected_column,
-                "completion": cfg.completion_column, "label": cfg.label_column}
-        kto = cfg.loss_type == "kto"                  # unpaired examples (paired data unpaired), not pairs
-        def pairs(split, source, what):   # every pair checked and tokenized now: a bad row stops the run before step 1
-            Data, load, noun = (ExampleData, load_examples, "examples") if kto else (PairData, load_pairs, "pairs")
-            data = Data(load(cfg, split, source=source), self.tokenizer, *lengths, columns=cols,
-                        what=f"{what} {noun} ({source or 'the embedded task'}, split {split!r})")
-            if progress and jax.process_index() == 0: print(data.summary(), file=sys.stderr)
-            return data
-        with self.clock("data"):
-            self.train_data = pairs(cfg.train_split, cfg.dataset_name, "train")
-            self.eval_data = pairs(cfg.eval_split, eval_source(cfg), "held-out")
-        self.order = PromptIterator(list(range(len(self.train_data))), seed=cfg.seed)
-        n_eval = min(len(self.eval_data), cfg.eval_batches * B)
-        self.eval_chunks = [list(range(i, min(i + B, n_eval))) for i in range(0, n_eval, B)]
-        # greedy pass@1 needs problems with gold answers: the embedded task's held-out split has them
-        with self.clock("data"):
-            self.eval_examples = load_eval_examples(cfg) if not eval_source(cfg) and cfg.eval_num_prompts else []
+        n_eval = self._load_data()
         self.build_steps()
-        self.flops_per_token = flops_per_token(self.model_cfg, sum(lengths))
-        self.reference, self.ref_table = None, None       # π_ref: a ReferencePolicy, or its log-probs computed once
-        if cfg.loss_type not in REFERENCE_FREE:
-            # a copy of the initial weights; with LoRA the adapters off: the frozen base, no copy (chapter 08b)
-            ref = ReferencePolicy(self.params, self.rest, lambda *a: self.run_step("ref_fn", *a), self.weights)
-            if cfg.precompute_ref_log_probs:
-                self.ref_table = {"train": self._reference_table(ref, self.train_data, list(range(len(self.train_data)))),
-                                  "eval": self._reference_table(ref, self.eval_data, list(range(n_eval)))}
-            else: self.reference = ref
+        self.flops_per_token = flops_per_token(self.model_cfg, cfg.max_prompt_length + cfg.max_completion_length)
+        self._build_reference(n_eval)
 
-    @property
-    def ref_params(self):
-        "The reference's own weights (None when it keeps none: a reference-free loss, or precomputed log-probs)."
-        return None if self.reference is None else self.reference.params
-
-    def build_steps(self) -> None:
-        cfg, opts, chunk = self.cfg, preference_options(self.cfg), self.cfg.logits_chunk_size
-        self.step_fn = self.compiled(make_dpo_step(self.graphdef, self.tx, opts, cfg.gradient_accumulation_steps,
-                                                   chunk_size=chunk), "the DPO step")
-        self.ref_fn = self.compiled(make_reference_fn(self.graphdef, cfg.gradient_accumulation_steps, chunk_size=chunk),
-                                    "the reference log-prob pass")
-        self.eval_fn = make_dpo_eval_step(self.graphdef, opts, chunk_size=chunk)
-
-    def _reference_table(self, ref: ReferencePolicy, data: PairData, indices: list[int]) -> np.ndarray:
-        "[len(data), 2] reference log-probs (chosen, rejected) of the pairs at `indices`, a batch at a time."
-        B, table = self.cfg.global_batch_size, np.zeros((len(data), 2), np.float32)
-        with jax.set_mesh(self.mesh):
-            for i in range(0, len(indices), B):
-                idx = indices[i:i + B]
-                b = data.batch(idx + idx[-1:] * (B - len(idx)))     # one compiled shape: the last batch is padded
-                b.pop("truncated")
-                out = np.asarray(ref.logps(sharding.shard_batch(b, self.mesh)))
-                table[idx] = out.reshape(-1, 2)[:len(idx)]
-        return table
-
-    def batch_of(self, data: PairData, indices: Sequence[int], split: str = "train") -> dict:
-        "The arrays of the pairs at `indices` with the reference's log-probs `ref_logps` [2N] (numpy); `truncated` counts cut pairs."
-        b = data.batch(indices)
-        if self.ref_table is not None: b["ref_logps"] = self.ref_table[split][np.asarray(indices)].reshape(-1)
-        elif self.reference is not None:
-            arrays = sharding.shard_batch({k: v for k, v in b.items() if k != "truncated"}, self.mesh)
-            with jax.set_mesh(self.mesh): b["ref_logps"] = np.asarray(self.reference.logps(arrays))
-        return b
-
-    def update(self, b: dict) -> dict:
-        "One optimizer step on the batch `b` of `batch_of`; returns its metrics."
-        arrays = sharding.shard_batch({k: v for k, v in b.items() if k != "truncated"}, self.mesh)
-        with jax.set_mesh(self.mesh):
-            self.params, self.opt_state, m = self.run_step("step_fn", self.params, self.rest, self.opt_state, arrays)
-        tokens = int(b["prompt_mask"][0::2].sum() + b["completion_mask"].sum()) * jax.process_count()
-        return {**m, "num_tokens": tokens, "truncated_pairs": b["truncated"]}
-
-    def train_step(self) -> dict:
-        return self.update(self.batch_of(self.train_data, self.order.next(self.cfg.global_batch_size)))
-
-    def preference_eval(self) -> dict:
-        "TRL's eval metrics: the preference loss, rewards and log-probs averaged over the held-out pairs."
-        total, n = {}, 0
-        for idx in self.eval_chunks:
-            b = self.batch_of(self.eval_data, idx, "eval"); b.pop("truncated")
-            with jax.set_mesh(self.mesh): m = jax.device_get(self.eval_fn(self.params, self.rest, sharding.shard_batch(b, self.mesh)))
-            for k, v in m.items(): total[k] = total.get(k, 0.0) + float(v) * len(idx)
-            n += len(idx)
-        return {f"eval_{k}": v / n for k, v in total.items()} if n else {}
-
-    def evaluate(self) -> dict:
+    def evaluate(self) -> dict:   # in the class: `@patch` would bind `evaluate` in this module, the library's name
         "The held-out preference metrics, and pass@1 (greedy) and format rate on held-out problems when there are any."
         out = self.preference_eval()
         if self.eval_examples:
@@ -517,12 +448,121 @@ class DPOTrainer(Trainer):
             out |= {k: v for k, v in res.items() if not isinstance(v, (list, dict))}
         return out
 
-    def data_state(self) -> dict: return self.order.state()
-    def restore_data(self, state: dict) -> None: self.order.restore(state)
-
     memory_knobs = ("remat_policy=full, a larger gradient_accumulation_steps (micro-batches of whole pairs), a smaller "
                     "logits_chunk_size or global_batch_size, a shorter max_prompt_length or max_completion_length, "
                     "precompute_ref_log_probs=true (no reference weights), or more devices (fsdp_parallelism)")
+
+# %% ../nbs/15b_dpo.ipynb
+@patch
+def _pair_data(self: DPOTrainer, split: str, source: str, what: str) -> PairData:
+    "The `PairData` (KTO: `ExampleData` of unpaired examples) of `split` of `source`, its summary printed."
+    cfg, lengths = self.cfg, (self.cfg.max_prompt_length, self.cfg.max_completion_length)
+    cols = {"prompt": cfg.prompt_column, "chosen": cfg.chosen_column, "rejected": cfg.rejected_column,
+            "completion": cfg.completion_column, "label": cfg.label_column}
+    kto = cfg.loss_type == "kto"                  # unpaired examples (paired data unpaired), not pairs
+    Data, load, noun = (ExampleData, load_examples, "examples") if kto else (PairData, load_pairs, "pairs")
+    data = Data(load(cfg, split, source=source), self.tokenizer, *lengths, columns=cols,
+                what=f"{what} {noun} ({source or 'the embedded task'}, split {split!r})")
+    if self.progress and jax.process_index() == 0: print(data.summary(), file=sys.stderr)
+    return data
+
+@patch
+def _load_data(self: DPOTrainer) -> int:
+    "The training and held-out data, the order over the training pairs, the held-out batches and problems; returns how many held-out pairs are evaluated."
+    cfg, B = self.cfg, self.cfg.global_batch_size
+    with self.clock("data"):
+        self.train_data = self._pair_data(cfg.train_split, cfg.dataset_name, "train")
+        self.eval_data = self._pair_data(cfg.eval_split, eval_source(cfg), "held-out")
+    self.order = PromptIterator(list(range(len(self.train_data))), seed=cfg.seed)
+    n_eval = min(len(self.eval_data), cfg.eval_batches * B)
+    self.eval_chunks = [list(range(i, min(i + B, n_eval))) for i in range(0, n_eval, B)]
+    # greedy pass@1 needs problems with gold answers: the embedded task's held-out split has them
+    with self.clock("data"):
+        self.eval_examples = load_eval_examples(cfg) if not eval_source(cfg) and cfg.eval_num_prompts else []
+    return n_eval
+
+# %% ../nbs/15b_dpo.ipynb
+@patch
+def _build_reference(self: DPOTrainer, n_eval: int) -> None:
+    "`self.reference` (a `ReferencePolicy`) or `self.ref_table` (its log-probs computed once), or neither when the loss is reference-free."
+    cfg = self.cfg
+    self.reference, self.ref_table = None, None       # π_ref: a ReferencePolicy, or its log-probs computed once
+    if cfg.loss_type not in REFERENCE_FREE:
+        # a copy of the initial weights; with LoRA the adapters off: the frozen base, no copy (chapter 08b)
+        ref = ReferencePolicy(self.params, self.rest, lambda *a: self.run_step("ref_fn", *a), self.weights)
+        if cfg.precompute_ref_log_probs:
+            self.ref_table = {"train": self._reference_table(ref, self.train_data, list(range(len(self.train_data)))),
+                              "eval": self._reference_table(ref, self.eval_data, list(range(n_eval)))}
+        else: self.reference = ref
+
+@patch
+def _reference_table(self: DPOTrainer, ref: ReferencePolicy, data: PairData, indices: list[int]) -> np.ndarray:
+    "[len(data), 2] reference log-probs (chosen, rejected) of the pairs at `indices`, a batch at a time."
+    B, table = self.cfg.global_batch_size, np.zeros((len(data), 2), np.float32)
+    with jax.set_mesh(self.mesh):
+        for i in range(0, len(indices), B):
+            idx = indices[i:i + B]
+            b = data.batch(idx + idx[-1:] * (B - len(idx)))     # one compiled shape: the last batch is padded
+            b.pop("truncated")
+            out = np.asarray(ref.logps(sharding.shard_batch(b, self.mesh)))
+            table[idx] = out.reshape(-1, 2)[:len(idx)]
+    return table
+
+@patch(as_prop=True)
+def ref_params(self: DPOTrainer):
+    "The reference's own weights (None when it keeps none: a reference-free loss, or precomputed log-probs)."
+    return None if self.reference is None else self.reference.params
+
+# %% ../nbs/15b_dpo.ipynb
+@patch
+def build_steps(self: DPOTrainer) -> None:
+    cfg, opts, chunk = self.cfg, preference_options(self.cfg), self.cfg.logits_chunk_size
+    self.step_fn = self.compiled(make_dpo_step(self.graphdef, self.tx, opts, cfg.gradient_accumulation_steps,
+                                               chunk_size=chunk), "the DPO step")
+    self.ref_fn = self.compiled(make_reference_fn(self.graphdef, cfg.gradient_accumulation_steps, chunk_size=chunk),
+                                "the reference log-prob pass")
+    self.eval_fn = make_dpo_eval_step(self.graphdef, opts, chunk_size=chunk)
+
+# %% ../nbs/15b_dpo.ipynb
+@patch
+def batch_of(self: DPOTrainer, data: PairData, indices: Sequence[int], split: str = "train") -> dict:
+    "The arrays of the pairs at `indices` with the reference's log-probs `ref_logps` [2N] (numpy); `truncated` counts cut pairs."
+    b = data.batch(indices)
+    if self.ref_table is not None: b["ref_logps"] = self.ref_table[split][np.asarray(indices)].reshape(-1)
+    elif self.reference is not None:
+        arrays = sharding.shard_batch({k: v for k, v in b.items() if k != "truncated"}, self.mesh)
+        with jax.set_mesh(self.mesh): b["ref_logps"] = np.asarray(self.reference.logps(arrays))
+    return b
+
+@patch
+def update(self: DPOTrainer, b: dict) -> dict:
+    "One optimizer step on the batch `b` of `batch_of`; returns its metrics."
+    arrays = sharding.shard_batch({k: v for k, v in b.items() if k != "truncated"}, self.mesh)
+    with jax.set_mesh(self.mesh):
+        self.params, self.opt_state, m = self.run_step("step_fn", self.params, self.rest, self.opt_state, arrays)
+    tokens = int(b["prompt_mask"][0::2].sum() + b["completion_mask"].sum()) * jax.process_count()
+    return {**m, "num_tokens": tokens, "truncated_pairs": b["truncated"]}
+
+@patch
+def train_step(self: DPOTrainer) -> dict:
+    return self.update(self.batch_of(self.train_data, self.order.next(self.cfg.global_batch_size)))
+
+# %% ../nbs/15b_dpo.ipynb
+@patch
+def preference_eval(self: DPOTrainer) -> dict:
+    "TRL's eval metrics: the preference loss, rewards and log-probs averaged over the held-out pairs."
+    total, n = {}, 0
+    for idx in self.eval_chunks:
+        b = self.batch_of(self.eval_data, idx, "eval"); b.pop("truncated")
+        with jax.set_mesh(self.mesh): m = jax.device_get(self.eval_fn(self.params, self.rest, sharding.shard_batch(b, self.mesh)))
+        for k, v in m.items(): total[k] = total.get(k, 0.0) + float(v) * len(idx)
+        n += len(idx)
+    return {f"eval_{k}": v / n for k, v in total.items()} if n else {}
+
+@patch
+def data_state(self: DPOTrainer) -> dict: return self.order.state()
+@patch
+def restore_data(self: DPOTrainer, state: dict) -> None: self.order.restore(state)
 
 # %% ../nbs/15b_dpo.ipynb
 def train_dpo(cfg: DPOConfig, *, progress: bool = True) -> dict:

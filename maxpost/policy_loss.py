@@ -95,13 +95,8 @@ def _surrogate(ratio, advantages, per_token_logps, valid, loss_algo, epsilon_low
     return jnp.maximum(unclipped, clipped), is_clipped & (adv_bt < 0), is_clipped & (adv_bt > 0)
 
 # %% ../nbs/12_policy_loss.ipynb
-def policy_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | None,
-                ref_per_token_logps: jax.Array | None, advantages: jax.Array, completion_mask: jax.Array, *,
-                loss_algo: str = "grpo", epsilon_low: float = 0.2, epsilon_high: float = 0.28, beta: float = 0.0,
-                kl_estimator: str = "k3", loss_agg_mode: str = "token-mean",
-                max_completion_length: int | None = None, num_tokens=None, num_sequences=None,
-                importance_weights: jax.Array | None = None) -> tuple[jax.Array, dict]:
-    "Clipped GRPO / GSPO / GSPO-token surrogate or CISPO's clipped-weight policy gradient (each token's term times `importance_weights`, if given: no gradient) plus beta * KL to the reference, aggregated per `loss_agg_mode`."
+def _check_policy_args(loss_algo, kl_estimator, loss_agg_mode, advantages, ref_per_token_logps, beta) -> str:
+    "The canonical `loss_agg_mode`, once the arguments that cannot go together are refused."
     _check("loss_algo", loss_algo, POLICY_LOSS_ALGOS); _check("kl_estimator", kl_estimator, KL_ESTIMATORS)
     mode = _canonical_agg_mode(loss_agg_mode)
     if loss_algo == "gspo" and mode != "sequence-mean-token-mean":
@@ -114,6 +109,33 @@ def policy_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | Non
     if ref_per_token_logps is None and not _is_zero(beta):
         raise ValueError("beta > 0 needs ref_per_token_logps (the reference model's log-probs); "
                          "pass them, or set beta=0.0")
+    return mode
+
+# %% ../nbs/12_policy_loss.ipynb
+def _policy_metrics(pg_loss, ratio, low, high, valid, mask, num_tokens) -> tuple:
+    "(the surrogate's metrics, the token mean they take)."
+    n_tokens = jnp.maximum(mask.sum() if num_tokens is None else jnp.asarray(num_tokens, jnp.float32), 1.0)
+    token_mean = lambda x: jnp.where(valid, x, 0.0).sum() / n_tokens
+    metrics = {"loss/policy": pg_loss, "clip_ratio/low_mean": token_mean(low), "clip_ratio/high_mean": token_mean(high),
+               "clip_ratio/region_mean": token_mean(low | high), "ratio/mean": token_mean(ratio),
+               "ratio/min": jnp.where(valid, ratio, jnp.inf).min(), "ratio/max": jnp.where(valid, ratio, -jnp.inf).max()}
+    return metrics, token_mean
+
+def _kl_term(per_token_logps, ref_per_token_logps, valid, mask, mode, kl_estimator, token_mean, agg) -> tuple:
+    "(`kl`: the estimator's token mean, `loss/kl`: it aggregated per `mode`)."
+    lp = jnp.where(valid, per_token_logps.astype(jnp.float32), 0.0)
+    kl = estimate_kl(lp, jnp.where(valid, ref_per_token_logps.astype(jnp.float32), 0.0), kl_estimator)
+    return token_mean(kl), aggregate_loss(kl, mask, mode, **agg)
+
+# %% ../nbs/12_policy_loss.ipynb
+def policy_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | None,
+                ref_per_token_logps: jax.Array | None, advantages: jax.Array, completion_mask: jax.Array, *,
+                loss_algo: str = "grpo", epsilon_low: float = 0.2, epsilon_high: float = 0.28, beta: float = 0.0,
+                kl_estimator: str = "k3", loss_agg_mode: str = "token-mean",
+                max_completion_length: int | None = None, num_tokens=None, num_sequences=None,
+                importance_weights: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    "Clipped GRPO / GSPO / GSPO-token surrogate or CISPO's clipped-weight policy gradient (each token's term times `importance_weights`, if given: no gradient) plus beta * KL to the reference, aggregated per `loss_agg_mode`."
+    mode = _check_policy_args(loss_algo, kl_estimator, loss_agg_mode, advantages, ref_per_token_logps, beta)
     mask = completion_mask.astype(jnp.float32)
     valid = mask > 0
     ratio = importance_ratio(per_token_logps, old_per_token_logps, completion_mask, loss_algo)
@@ -122,16 +144,10 @@ def policy_loss(per_token_logps: jax.Array, old_per_token_logps: jax.Array | Non
     if importance_weights is not None:   # the sampler correction (chapter 12c): a weight, not a path for gradients
         per_token = per_token * jax.lax.stop_gradient(jnp.asarray(importance_weights, jnp.float32))
     pg_loss = aggregate_loss(per_token, mask, mode, **agg)
-    n_tokens = jnp.maximum(mask.sum() if num_tokens is None else jnp.asarray(num_tokens, jnp.float32), 1.0)
-    token_mean = lambda x: jnp.where(valid, x, 0.0).sum() / n_tokens
-    metrics = {"loss/policy": pg_loss, "clip_ratio/low_mean": token_mean(low), "clip_ratio/high_mean": token_mean(high),
-               "clip_ratio/region_mean": token_mean(low | high), "ratio/mean": token_mean(ratio),
-               "ratio/min": jnp.where(valid, ratio, jnp.inf).min(), "ratio/max": jnp.where(valid, ratio, -jnp.inf).max()}
+    metrics, token_mean = _policy_metrics(pg_loss, ratio, low, high, valid, mask, num_tokens)
     loss = pg_loss
     if ref_per_token_logps is not None:
-        lp = jnp.where(valid, per_token_logps.astype(jnp.float32), 0.0)
-        kl = estimate_kl(lp, jnp.where(valid, ref_per_token_logps.astype(jnp.float32), 0.0), kl_estimator)
-        metrics["kl"] = token_mean(kl)
-        metrics["loss/kl"] = aggregate_loss(kl, mask, mode, **agg)
+        metrics["kl"], metrics["loss/kl"] = _kl_term(per_token_logps, ref_per_token_logps, valid, mask, mode,
+                                                     kl_estimator, token_mean, agg)
         loss = loss + beta * metrics["loss/kl"]
     return loss, metrics

@@ -28,17 +28,43 @@ def _log_odds(mean_logp: jax.Array) -> jax.Array:
     m = jnp.minimum(mean_logp, -1e-6)                   # a log-prob is < 0; a mean of 0 would mean p = 1
     return m - jnp.log(-jnp.expm1(m))
 
+def _check_loss_type(loss_type: str, ref_chosen_logps, ref_rejected_logps) -> None:
+    if loss_type == "kto": raise ValueError("loss_type='kto' learns from unpaired replies: use kto_loss")
+    if loss_type not in LOSS_TYPES: raise ValueError(f"loss_type={loss_type!r}: choose one of {', '.join(LOSS_TYPES)}")
+    if loss_type not in REFERENCE_FREE and (ref_chosen_logps is None or ref_rejected_logps is None):
+        raise ValueError(f"loss_type={loss_type!r} compares with a reference: pass ref_chosen_logps and ref_rejected_logps "
+                         f"(or use one of the reference-free {', '.join(REFERENCE_FREE)})")
+
+# %% ../nbs/12b_preference_loss.ipynb
+def _reference_free_losses(loss_type, pw, pl, smooth, beta, lambda_orpo, simpo_gamma) -> tuple:
+    "(losses, chosen rewards, rejected rewards, extra metrics) of ORPO or SimPO."
+    weight = lambda_orpo if loss_type == "orpo" else beta
+    rw, rl = weight * pw, weight * pl                    # the implicit rewards TRL logs for ORPO and SimPO
+    if loss_type == "simpo":
+        return smooth(beta * (pw - pl) - simpo_gamma), rw, rl, {}
+    log_odds = _log_odds(pw) - _log_odds(pl)
+    nll = -pw                                            # each pair's chosen NLL, averaged per token
+    losses = nll + lambda_orpo * smooth(log_odds)
+    return losses, rw, rl, {"nll_loss": nll.mean(), "log_odds_ratio": jax.nn.log_sigmoid(log_odds).mean(),
+                            "log_odds_chosen": log_odds.mean()}
+
+def _reference_losses(loss_type, pw, pl, ref_w, ref_l, smooth, beta) -> tuple:
+    "(losses, chosen rewards, rejected rewards) of DPO (sigmoid), IPO or hinge, from the margin h against the reference."
+    h = (pw - ref_w) - (pl - ref_l)
+    rw, rl = beta * (pw - ref_w), beta * (pl - ref_l)
+    if loss_type == "sigmoid": losses = smooth(beta * h)
+    elif loss_type == "ipo": losses = jnp.square(h - 1 / (2 * beta))
+    else: losses = jax.nn.relu(1 - beta * h)
+    return losses, rw, rl
+
+# %% ../nbs/12b_preference_loss.ipynb
 def preference_loss(chosen_logps: jax.Array, rejected_logps: jax.Array, chosen_lengths: jax.Array,
                     rejected_lengths: jax.Array, ref_chosen_logps: jax.Array | None = None,
                     ref_rejected_logps: jax.Array | None = None, *, loss_type: str = "sigmoid", beta: float = 0.1,
                     label_smoothing: float = 0.0, lambda_orpo: float = 0.1, simpo_gamma: float = 0.5
                     ) -> tuple[jax.Array, dict]:
     "(mean loss over pairs, TRL's metrics) from summed reply log-probs [B] and reply lengths [B] (`sequence_logps`); the reference's sums are needed unless `loss_type` is reference-free."
-    if loss_type == "kto": raise ValueError("loss_type='kto' learns from unpaired replies: use kto_loss")
-    if loss_type not in LOSS_TYPES: raise ValueError(f"loss_type={loss_type!r}: choose one of {', '.join(LOSS_TYPES)}")
-    if loss_type not in REFERENCE_FREE and (ref_chosen_logps is None or ref_rejected_logps is None):
-        raise ValueError(f"loss_type={loss_type!r} compares with a reference: pass ref_chosen_logps and ref_rejected_logps "
-                         f"(or use one of the reference-free {', '.join(REFERENCE_FREE)})")
+    _check_loss_type(loss_type, ref_chosen_logps, ref_rejected_logps)
     cw, cl = (jnp.asarray(x, jnp.float32) for x in (chosen_logps, rejected_logps))
     nw, nl = (jnp.maximum(jnp.asarray(x, jnp.float32), 1.0) for x in (chosen_lengths, rejected_lengths))
     scale = (lambda x, n: x / n) if loss_type in PER_TOKEN_MEAN else (lambda x, n: x)
@@ -46,23 +72,10 @@ def preference_loss(chosen_logps: jax.Array, rejected_logps: jax.Array, chosen_l
     smooth = lambda z: -(1 - label_smoothing) * jax.nn.log_sigmoid(z) - label_smoothing * jax.nn.log_sigmoid(-z)
     extra = {}
     if loss_type in REFERENCE_FREE:
-        weight = lambda_orpo if loss_type == "orpo" else beta
-        rw, rl = weight * pw, weight * pl                    # the implicit rewards TRL logs for ORPO and SimPO
-        if loss_type == "simpo":
-            losses = smooth(beta * (pw - pl) - simpo_gamma)
-        else:
-            log_odds = _log_odds(pw) - _log_odds(pl)
-            nll = -pw                                        # each pair's chosen NLL, averaged per token
-            losses = nll + lambda_orpo * smooth(log_odds)
-            extra = {"nll_loss": nll.mean(), "log_odds_ratio": jax.nn.log_sigmoid(log_odds).mean(),
-                     "log_odds_chosen": log_odds.mean()}
+        losses, rw, rl, extra = _reference_free_losses(loss_type, pw, pl, smooth, beta, lambda_orpo, simpo_gamma)
     else:
         ref_w, ref_l = (scale(jnp.asarray(r, jnp.float32), n) for r, n in ((ref_chosen_logps, nw), (ref_rejected_logps, nl)))
-        h = (pw - ref_w) - (pl - ref_l)
-        rw, rl = beta * (pw - ref_w), beta * (pl - ref_l)
-        if loss_type == "sigmoid": losses = smooth(beta * h)
-        elif loss_type == "ipo": losses = jnp.square(h - 1 / (2 * beta))
-        else: losses = jax.nn.relu(1 - beta * h)
+        losses, rw, rl = _reference_losses(loss_type, pw, pl, ref_w, ref_l, smooth, beta)
     metrics = {"rewards/chosen": rw.mean(), "rewards/rejected": rl.mean(), "rewards/accuracies": (rw > rl).mean(),
                "rewards/margins": (rw - rl).mean(), "logps/chosen": cw.mean(), "logps/rejected": cl.mean(), **extra}
     return losses.mean(), metrics

@@ -393,6 +393,7 @@ def _fallback(spec, e: Exception):
     _log.warning("reward %r runs in a thread, not a worker process: %s. A thread cannot be stopped, so after a timeout "
                  "it is not called again until the stuck call returns", spec.name, e)
 
+# %% ../nbs/13_rewards.ipynb
 def _runner(spec, isolation: str):
     "Where a reward function runs: built-ins inline, others in their worker process (or, failing that, a thread)."
     if getattr(spec.fn, "inline", False) or any(spec.fn is f for f in BUILTIN_REWARDS.values()): return _Inline()
@@ -406,6 +407,7 @@ def _runner(spec, isolation: str):
     if isolation == "process" and "process" in runners: return runners["process"]
     return runners.setdefault("thread", _ThreadRunner())
 
+# %% ../nbs/13_rewards.ipynb
 def start_reward_workers(rewards) -> list[RewardSpec]:
     "Start (without waiting) the worker process of every reward function that runs in one; returns the specs."
     specs = as_reward_specs(rewards)
@@ -445,6 +447,7 @@ def check_reward_columns(rewards, columns, where: str) -> None:
                               f"{sorted(columns)}); give data with a {c!r} column{_COLUMN_HINTS.get(c, '')}, or "
                               f"leave {spec.name} out of reward_functions")
 
+# %% ../nbs/13_rewards.ipynb
 def _run_one(spec, prompts, completions, columns, timeout_s, isolation) -> tuple[np.ndarray, str]:
     "Scores of one reward function (NaN where it failed) and how it ended: 'ok', 'error' or 'timeout'."
     n, kw, name = len(completions), _columns_for(spec.fn, columns), spec.name
@@ -471,17 +474,21 @@ def _run_one(spec, prompts, completions, columns, timeout_s, isolation) -> tuple
     if invalid: _log.warning("reward %r returned %d value(s) that are not finite numbers (e.g. %s); they score 0", name, invalid, example)
     return np.asarray(scores, np.float64), "ok" if msg[0] == "ok" else "error"
 
+# %% ../nbs/13_rewards.ipynb
 REWARD_ISOLATION = ("process", "thread")   # where user reward functions run (config key reward_isolation)
+
+def _check_batch(prompts, n: int, columns: dict) -> None:
+    if len(prompts) != n: raise ValueError(f"{len(prompts)} prompts but {n} completions")
+    for k, v in columns.items():
+        if k in ("prompts", "completions"): raise ValueError(f"column name {k!r} clashes with a positional argument")
+        if len(v) != n: raise ValueError(f"column {k!r} has {len(v)} rows, expected {n}")
 
 def compute_rewards(rewards, prompts: list[str], completions: list[str], columns: dict | None = None, *,
                     timeout_s: float | None = 60.0, isolation: str = "process") -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
     "(total [N], per-function scores {name: [N]}, metrics): the weighted sum, failed items scoring 0."
     if isolation not in REWARD_ISOLATION: raise ConfigError(f"isolation must be one of {REWARD_ISOLATION}, got {isolation!r}")
     specs, columns, n = as_reward_specs(rewards), dict(columns or {}), len(completions)
-    if len(prompts) != n: raise ValueError(f"{len(prompts)} prompts but {n} completions")
-    for k, v in columns.items():
-        if k in ("prompts", "completions"): raise ValueError(f"column name {k!r} clashes with a positional argument")
-        if len(v) != n: raise ValueError(f"column {k!r} has {len(v)} rows, expected {n}")
+    _check_batch(prompts, n, columns)
     columns = {k: list(v) for k, v in columns.items()}
     if isolation == "process": start_reward_workers(specs)    # they boot side by side
     per_function, metrics, total = {}, {}, np.zeros(n)
