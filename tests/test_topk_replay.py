@@ -46,6 +46,8 @@ def test_rl_at_top_k_top_p_replays_the_mask_difference_zero_weights_one(tmp_path
     np.testing.assert_allclose(w[mask], 1.0, atol=1e-5)
     assert abs(info["kl"]) < 1e-5                           # the reference is renormalised over the same sets
     np.testing.assert_allclose(info["sampling/kept_mass/mean"], np.exp(log_s[mask]).mean(), rtol=1e-4)
+    assert len(tr.step_fn.programs) == 1 and len(tr.logps_pass.programs) == 1
+    assert not tr.step_fn.ahead and not tr.logps_pass.ahead   # the programs compiled ahead (with the counts) are the ones run
 
 
 def test_rl_without_the_correction_measures_zero_difference_in_the_update(tmp_path):
