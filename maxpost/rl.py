@@ -37,9 +37,9 @@ from .step import make_update_step, ReferencePolicy
 __all__ = ['DEFAULT_EPSILONS', 'DEFAULT_IMPORTANCE_SAMPLING', 'STALE_IMPORTANCE_SAMPLING', 'ROLLOUT_ENGINES', 'KIND',
            'resolve_epsilons', 'default_loss_agg_mode', 'loss_options', 'completion_width',
            'default_importance_sampling', 'RLConfig', 'recipe_problems', 'RolloutEngine', 'SamplerEngine',
-           'make_engine', 'sampling_options', 'correction_options', 'rollout_metrics', 'group_mini_batches',
-           'make_rl_step', 'make_logps_pass', 'prompt_bucket', 'rollout_advantages', 'shape_completions', 'RLTrainer',
-           'episode_batch', 'train_rl', 'main']
+           'make_engine', 'sampling_options', 'correction_options', 'replays_kept_set', 'rollout_metrics',
+           'group_mini_batches', 'make_rl_step', 'make_logps_pass', 'prompt_bucket', 'rollout_advantages',
+           'shape_completions', 'RLTrainer', 'episode_batch', 'train_rl', 'main']
 
 # %% ../nbs/15_rl.ipynb
 DEFAULT_EPSILONS = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4), "cispo": CISPO_EPSILONS}
@@ -273,6 +273,11 @@ def correction_options(cfg: RLConfig) -> dict:
     mode = cfg.importance_sampling_mode or default_importance_sampling(cfg.rollout_engine, cfg.max_staleness)
     return dict(mode=mode, clip_max=cfg.importance_sampling_clip_max, clip_min=cfg.importance_sampling_clip_min)
 
+def replays_kept_set(cfg: RLConfig) -> bool:
+    "Whether this run's log-prob passes and update take every log-prob over the sampler's top-k / top-p kept set (chapter 12c): maxpost's sampler, sampling (temperature > 0) with a filter, single-turn. vLLM's rollouts carry no kept set (unchanged); nor do episodes."
+    return (cfg.rollout_engine == "maxpost" and not cfg.environment and cfg.temperature > 0
+            and (cfg.top_k > 0 or cfg.top_p < 1.0))
+
 # %% ../nbs/15_rl.ipynb
 def rollout_metrics(rewards_b: np.ndarray, advantages_b: np.ndarray, completion_ids: np.ndarray,
                     completion_mask: np.ndarray, num_generations: int, eos_ids: Sequence[int]) -> dict:
@@ -299,12 +304,12 @@ _COMBINE = {"ratio/min": jnp.min, "ratio/max": jnp.max,   # every other metric i
             "sampling/sampling_logp_difference/max": jnp.max}
 
 def make_rl_step(graphdef, tx, loss_kwargs: dict, temperature: float, num_generations: int = 1, accum: int = 1,
-                 chunk_size: int | None = LOGITS_CHUNK_SIZE):
-    "Jitted `step(params, rest, opt_state, batch) -> (params, opt_state, metrics)` on `policy_loss` (times the batch's `importance_weights`, if any), summing `accum` micro-batches of whole groups."
+                 chunk_size: int | None = LOGITS_CHUNK_SIZE, max_kept: int | None = None):
+    "Jitted `step(params, rest, opt_state, batch) -> (params, opt_state, metrics)` on `policy_loss` (times the batch's `importance_weights`, if any), summing `accum` micro-batches of whole groups; log-probs over the sampler's kept sets where the batch has `num_kept` (chapter 12c)."
     def micro_loss(model, m, counts):
         logps, entropy = completion_logps(model, m["prompt_ids"], m["prompt_mask"], m["completion_ids"],
                                           m["completion_mask"], temperature, num_generations, chunk_size=chunk_size,
-                                          with_entropy=True)
+                                          with_entropy=True, num_kept=m.get("num_kept"), max_kept=max_kept)
         loss, metrics = policy_loss(logps, m.get("old_per_token_logps"), m.get("ref_per_token_logps"), m["advantages"],
                                     m["completion_mask"], **loss_kwargs, num_tokens=counts["num_tokens"],
                                     num_sequences=counts["num_sequences"], importance_weights=m.get("importance_weights"))
@@ -329,9 +334,10 @@ def make_rl_step(graphdef, tx, loss_kwargs: dict, temperature: float, num_genera
 # its own: compiled, then dispatched, ~0.1-0.5 s each on a TPU)
 _advantages_fn = jax.jit(group_advantages, static_argnums=1, static_argnames=("scale", "std_ddof", "eps"))
 
-def make_logps_pass(graphdef, temperature: float, num_generations: int, parts: int, chunk_size, correction: dict):
-    "Jitted `(params, rest, batch) -> (log-probs [B,T], importance weights [B,T], their metrics)`: the π_prox or π_ref log-prob pass (`make_logps_fn`) and the sampler correction (`importance_weights` against `batch['sampler_logps']`, `correction_options`) in one program."
-    logps_fn = make_logps_fn(graphdef, temperature, num_generations, parts, chunk_size=chunk_size)
+def make_logps_pass(graphdef, temperature: float, num_generations: int, parts: int, chunk_size, correction: dict,
+                    max_kept: int | None = None):
+    "Jitted `(params, rest, batch) -> (log-probs [B,T], importance weights [B,T], their metrics)`: the π_prox or π_ref log-prob pass (`make_logps_fn`, over the sampler's kept sets where the batch has `num_kept`) and the sampler correction (`importance_weights` against `batch['sampler_logps']`, `correction_options`) in one program."
+    logps_fn = make_logps_fn(graphdef, temperature, num_generations, parts, chunk_size=chunk_size, max_kept=max_kept)
     def logps(params, rest, b):
         lp = logps_fn(params, rest, b)
         return lp, *importance_weights(lp, b["sampler_logps"], b["completion_mask"], **correction)
@@ -419,13 +425,13 @@ class RLTrainer(Trainer):
 
     def build_steps(self) -> None:
         cfg, G, A, chunk = self.cfg, self.cfg.num_generations, self.cfg.gradient_accumulation_steps, self.cfg.logits_chunk_size
-        parts = A * (cfg.global_batch_size // self.mini_batch)
-        self.logps_fn = self.compiled(make_logps_fn(self.graphdef, cfg.temperature, G, parts, chunk_size=chunk),
-                                      "the log-prob pass")
+        parts, top = A * (cfg.global_batch_size // self.mini_batch), cfg.top_k or None   # top_k bounds a kept set
+        self.logps_fn = self.compiled(make_logps_fn(self.graphdef, cfg.temperature, G, parts, chunk_size=chunk,
+                                                    max_kept=top), "the log-prob pass")
         self.step_fn = self.compiled(make_rl_step(self.graphdef, self.tx, loss_options(cfg), cfg.temperature, G, A,
-                                                  chunk_size=chunk), "the RL update")
-        self.logps_pass = self.compiled(make_logps_pass(self.graphdef, cfg.temperature, G, parts, chunk, self.correction),
-                                        "the log-prob pass")    # what the loop runs (`logps_fn`: the log-probs alone)
+                                                  chunk_size=chunk, max_kept=top), "the RL update")
+        self.logps_pass = self.compiled(make_logps_pass(self.graphdef, cfg.temperature, G, parts, chunk, self.correction,
+                                                        max_kept=top), "the log-prob pass")    # what the loop runs (`logps_fn`: the log-probs alone)
         self.advantages_fn = StepCompiler(jax.jit(   # `advantage_estimator`: group-relative, or leave-one-out
             functools.partial(rloo_advantages, num_generations=G, normalize_advantages=cfg.normalize_advantages)
             if cfg.advantage_estimator == "rloo" else functools.partial(group_advantages, num_generations=G,
@@ -461,6 +467,9 @@ class RLTrainer(Trainer):
         info = {**rollout_metrics(total, adv, r.completion_ids, r.completion_mask, G, self.sampling["eos_ids"]),
                 **reward_metrics, **shaping, "timing/rollout": t_roll, "truncated_prompts": r.num_truncated_prompts,
                 "num_tokens": int(r.prompt_mask.sum() + r.completion_mask.sum())}
+        if r.num_kept is not None:   # top-k / top-p: every log-prob of a ratio is taken over the sampler's kept set (12c)
+            batch["num_kept"] = r.num_kept
+            info["sampling/kept_mass/mean"] = float(np.exp(r.log_kept_mass)[r.completion_mask > 0].mean())
         return dict(batch=batch, sampler_logps=r.per_token_logps, info=info, text=r.text, examples=examples,
                     data_state=data_state)   # the prompts' position once this rollout is trained on
 
@@ -524,9 +533,11 @@ def _compile_programs_ahead(self: RLTrainer) -> None:
     correct, prox = self.correction["mode"] != "none", self.updates_per_step > 1 or self.correction["mode"] != "none"
     step_keys = (("old_per_token_logps", *(("importance_weights",) if correct else ())) if prox else ("sampler_logps",)) \
                 + (("ref_per_token_logps",) if self.reference is not None else ())
-    compile_step_ahead(self, "step_fn", self.params, self.rest, self.opt_state, batch(self.mini_batch, *step_keys))
+    kept = lambda rows: {"num_kept": zeros(rows, T, dtype=np.int32)} if replays_kept_set(cfg) else {}   # (12c)
+    with_kept = lambda rows, *keys: {**batch(rows, *keys), **sharding.shard_batch(kept(rows), self.mesh)}
+    compile_step_ahead(self, "step_fn", self.params, self.rest, self.opt_state, with_kept(self.mini_batch, *step_keys))
     if prox or self.reference is not None:   # (after the remat policy `auto` starts at is set, above)
-        compile_ahead(self.logps_pass, self.params, self.rest, batch(B, "sampler_logps"), mesh=self.mesh)
+        compile_ahead(self.logps_pass, self.params, self.rest, with_kept(B, "sampler_logps"), mesh=self.mesh)
     compile_ahead(self.advantages_fn, zeros(B))
     if isinstance(self.engine, SamplerEngine):
         knobs = (np.float32(cfg.temperature), np.int32(cfg.top_k), np.float32(cfg.top_p),

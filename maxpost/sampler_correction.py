@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from .model import token_logps
-from .sampling import filter_logits
+from .sampling import filter_logits, kept_mask
 
 # %% auto 0
 __all__ = ['IMPORTANCE_SAMPLING_MODES', 'importance_weights', 'sampling_mask_size', 'replay_logps']
@@ -54,34 +54,9 @@ def sampling_mask_size(logits_bv: jax.Array, temperature, top_k, top_p) -> jax.A
     return jnp.where(cut, kept, 0).astype(jnp.int32)
 
 # %% ../nbs/12c_sampler_correction.ipynb
-def _order_keys(z: jax.Array) -> jax.Array:
-    "uint32 keys in the order of the float32 values `z` (no NaN; -0.0 counts as 0.0): the bits, sign flipped or all inverted."
-    b = jax.lax.bitcast_convert_type(jnp.where(z == 0, 0.0, z).astype(jnp.float32), jnp.uint32)
-    return jnp.where(b >> 31 == 1, ~b, b | jnp.uint32(0x80000000))
-
-def _nth_largest_key(keys: jax.Array, n: jax.Array) -> jax.Array:
-    "The `n`-th largest (n >= 1, [...]) of `keys` [..., V] along the last axis, by 32 halvings of the key range."
-    def halve(_, lohi):
-        lo, hi = lohi
-        d = hi - lo
-        mid = lo + d // 2 + (d & 1)
-        ok = (keys >= mid[..., None]).sum(-1) >= n
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
-    lohi = (jnp.zeros(n.shape, jnp.uint32), jnp.full(n.shape, 0xFFFFFFFF, jnp.uint32))
-    return jax.lax.fori_loop(0, 32, halve, lohi)[0]
-
-# %% ../nbs/12c_sampler_correction.ipynb
 def replay_logps(logits_btv: jax.Array, tokens_bt: jax.Array, num_kept_bt: jax.Array, temperature=1.0, *,
                  max_kept: int | None = None) -> tuple[jax.Array, jax.Array]:
     "(log-probs [B,T] of `tokens_bt` under softmax(logits / temperature) renormalised over the `num_kept_bt` largest logits (ties and the token itself included; 0 = all), log of the kept mass [B,T]). `max_kept` (static, >= every count, e.g. top_k) finds the threshold with `lax.top_k`; without it, a bisection."
     z = logits_btv.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
-    n = jnp.maximum(jnp.asarray(num_kept_bt, jnp.int32), 1)
-    zs = jax.lax.stop_gradient(z)
-    if max_kept is None:
-        keys = _order_keys(zs)
-        top = keys >= _nth_largest_key(keys, n)[..., None]
-    else: top = zs >= jnp.take_along_axis(jax.lax.top_k(zs, max_kept)[0], jnp.minimum(n, max_kept)[..., None] - 1, -1)
-    drawn = jnp.arange(z.shape[-1]) == tokens_bt[..., None]                 # the drawn token is always in the set
-    keep = top | drawn | (jnp.asarray(num_kept_bt)[..., None] <= 0)
-    kept = jnp.where(keep, z, -jnp.inf)
+    kept = jnp.where(kept_mask(z, num_kept_bt, tokens_bt, max_kept), z, -jnp.inf)   # the drawn token always in it
     return token_logps(kept, tokens_bt), jax.nn.logsumexp(kept, -1) - jax.nn.logsumexp(z, -1)

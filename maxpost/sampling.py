@@ -18,10 +18,10 @@ from .model import LOGITS_CHUNK_SIZE, chunk_length, join_chunks, split_chunks, t
 
 # %% auto 0
 __all__ = ['bucket_length', 'left_pad', 'warn_truncated_prompts', 'prompt_positions', 'filter_logits', 'draw_categorical',
-           'first_argmax', 'sample_token', 'scaled_logps', 'sample_token_logp', 'scaled_entropy', 'prefill',
-           'decode_chunk', 'decode', 'repeat_rows', 'seed_key_data', 'sample_completions', 'stop_id_array', 'take_rows',
-           'prefill_blocks', 'make_sample_fn', 'SamplingProgram', 'Rollout', 'generate', 'chunked_logps',
-           'completion_logps', 'split_groups', 'merge_groups', 'make_logps_fn']
+           'first_argmax', 'sample_token', 'scaled_logps', 'sample_token_mask', 'sample_token_logp', 'kept_mask',
+           'scaled_entropy', 'prefill', 'decode_chunk', 'decode', 'repeat_rows', 'seed_key_data', 'sample_completions',
+           'stop_id_array', 'take_rows', 'prefill_blocks', 'make_sample_fn', 'SamplingProgram', 'Rollout', 'generate',
+           'chunked_logps', 'completion_logps', 'split_groups', 'merge_groups', 'make_logps_fn']
 
 # %% ../nbs/10_sampling.ipynb
 def bucket_length(n: int, max_prompt_length: int, min_bucket: int = 16) -> int:
@@ -114,13 +114,49 @@ def scaled_logps(logits_btv: jax.Array, tokens_bt: jax.Array, temperature=1.0) -
     return token_logps(logits_btv.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0), tokens_bt)
 
 # %% ../nbs/10_sampling.ipynb
-def sample_token_logp(key: jax.Array, logits_bv: jax.Array, temperature, top_k, top_p) -> tuple[jax.Array, jax.Array]:
-    "`sample_token`'s draw and its log-prob under the distribution it was drawn from: the top-k/top-p filtered softmax(logits / temperature), renormalised over the kept tokens; with no filter (or greedy), `scaled_logps`'s."
+def sample_token_mask(key: jax.Array, logits_bv: jax.Array, temperature, top_k, top_p) -> tuple[jax.Array, ...]:
+    "`sample_token_logp`'s draw and log-prob, then what replays the filter in the trainer (`kept_mask`): how many tokens it kept (int32 [B]; ties included) and the log of their mass under the whole softmax(logits / temperature) (float32 [B]); both 0 where no filter applies (greedy, or top_k = 0 and top_p = 1)."
     z = filter_logits(logits_bv, temperature, top_k, top_p)
     tok = jnp.where(temperature > 0, draw_categorical(key, z), first_argmax(logits_bv)).astype(jnp.int32)
     cut = (temperature > 0) & ((top_k > 0) | (top_p < 1.0))
-    return tok, jnp.where(cut, token_logps(z, tok), scaled_logps(logits_bv, tok, temperature))
+    full = scaled_logps(logits_bv, tok, temperature)
+    lp = jnp.where(cut, token_logps(z, tok), full)
+    return tok, lp, jnp.where(cut, jnp.isfinite(z).sum(-1), 0).astype(jnp.int32), jnp.where(cut, full - lp, 0.0)
 
+def sample_token_logp(key: jax.Array, logits_bv: jax.Array, temperature, top_k, top_p) -> tuple[jax.Array, jax.Array]:
+    "`sample_token`'s draw and its log-prob under the distribution it was drawn from: the top-k/top-p filtered softmax(logits / temperature), renormalised over the kept tokens; with no filter (or greedy), `scaled_logps`'s."
+    return sample_token_mask(key, logits_bv, temperature, top_k, top_p)[:2]
+
+
+# %% ../nbs/10_sampling.ipynb
+def _order_keys(z: jax.Array) -> jax.Array:
+    "uint32 keys in the order of the float32 values `z` (no NaN; -0.0 counts as 0.0): the bits, sign flipped or all inverted."
+    b = jax.lax.bitcast_convert_type(jnp.where(z == 0, 0.0, z).astype(jnp.float32), jnp.uint32)
+    return jnp.where(b >> 31 == 1, ~b, b | jnp.uint32(0x80000000))
+
+def _nth_largest_key(keys: jax.Array, n: jax.Array) -> jax.Array:
+    "The `n`-th largest (n >= 1, [...]) of `keys` [..., V] along the last axis, by 32 halvings of the key range."
+    def halve(_, lohi):
+        lo, hi = lohi
+        d = hi - lo
+        mid = lo + d // 2 + (d & 1)
+        ok = (keys >= mid[..., None]).sum(-1) >= n
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+    lohi = (jnp.zeros(n.shape, jnp.uint32), jnp.full(n.shape, 0xFFFFFFFF, jnp.uint32))
+    return jax.lax.fori_loop(0, 32, halve, lohi)[0]
+
+def kept_mask(z_btv: jax.Array, num_kept_bt: jax.Array, tokens_bt: jax.Array, max_kept: int | None = None) -> jax.Array:
+    "Bool [..., V]: the sampler's kept set rebuilt from logits `z_btv`: the `num_kept_bt` largest (ties included) and the drawn token; everything where the count is 0 (no filter). `max_kept` (static, >= every count, e.g. top_k): found by `lax.top_k`, else by a bisection."
+    z = jax.lax.stop_gradient(z_btv.astype(jnp.float32))
+    n = jnp.maximum(jnp.asarray(num_kept_bt, jnp.int32), 1)
+    if max_kept is None:
+        keys = _order_keys(z)
+        top = keys >= _nth_largest_key(keys, n)[..., None]
+    else:
+        k = min(max_kept, z.shape[-1])
+        top = z >= jnp.take_along_axis(jax.lax.top_k(z, k)[0], jnp.minimum(n, k)[..., None] - 1, -1)
+    drawn = jnp.arange(z.shape[-1]) == tokens_bt[..., None]
+    return top | drawn | (jnp.asarray(num_kept_bt)[..., None] <= 0)
 
 # %% ../nbs/10_sampling.ipynb
 def scaled_entropy(logits_btv: jax.Array, temperature=1.0) -> jax.Array:
@@ -145,27 +181,30 @@ def decode_chunk(max_completion_length: int, min_chunk: int = 32, max_chunks: in
 # %% ../nbs/10_sampling.ipynb
 def decode(model, cache, logits_bv, prompt_lengths, key, temperature, top_k, top_p, eos_ids, pad_id,
            max_completion_length: int, chunk: int | None = None):
-    "Sample a token per row per step until `max_completion_length` or every row has emitted one of `eos_ids`. `cache` needs room for the first `chunk` steps; it grows by `chunk` slots before each later chunk."
+    "Sample a token per row per step until `max_completion_length` or every row has emitted one of `eos_ids`: (ids, mask, log-probs [B,T], steps run, the filter's kept counts and log kept masses [B,T] (`sample_token_mask`)). `cache` needs room for the first `chunk` steps; it grows by `chunk` slots before each later chunk."
     B, T = logits_bv.shape[0], max_completion_length
     chunk = T if chunk is None else chunk
     def body(c):
         step, live = c["step"], ~c["done"]
-        tok, lp = sample_token_logp(jax.random.fold_in(key, step), c["logits"], temperature, top_k, top_p)
+        tok, lp, n, lm = sample_token_mask(jax.random.fold_in(key, step), c["logits"], temperature, top_k, top_p)
         tok = jnp.where(live, tok, pad_id)
         done = c["done"] | (live & (tok[:, None] == eos_ids[None, :]).any(-1))
         pos = (prompt_lengths + step)[:, None].astype(jnp.int32)
         logits, cache = model(tok[:, None], pos, jnp.ones_like(pos), cache=c["cache"])
         return dict(step=step + 1, cache=cache, logits=logits[:, -1].astype(jnp.float32), done=done,
                     ids=c["ids"].at[:, step].set(tok), mask=c["mask"].at[:, step].set(live.astype(jnp.int32)),
-                    logps=c["logps"].at[:, step].set(jnp.where(live, lp, 0.0)))
+                    logps=c["logps"].at[:, step].set(jnp.where(live, lp, 0.0)),
+                    num_kept=c["num_kept"].at[:, step].set(jnp.where(live, n, 0)),
+                    log_kept_mass=c["log_kept_mass"].at[:, step].set(jnp.where(live, lm, 0.0)))
     c = dict(step=jnp.int32(0), cache=cache, logits=logits_bv, done=jnp.zeros(B, bool),
              ids=jnp.full((B, T), pad_id, jnp.int32), mask=jnp.zeros((B, T), jnp.int32),
-             logps=jnp.zeros((B, T), jnp.float32))
+             logps=jnp.zeros((B, T), jnp.float32), num_kept=jnp.zeros((B, T), jnp.int32),
+             log_kept_mass=jnp.zeros((B, T), jnp.float32))
     for start in range(0, T, chunk):             # one loop per chunk; later chunks attend over a longer cache
         stop = min(start + chunk, T)
         if start: c["cache"] = grow_cache(c["cache"], c["cache"]["segment_ids"].shape[1] + stop - start)
         c = jax.lax.while_loop(lambda c, stop=stop: (c["step"] < stop) & ~jnp.all(c["done"]), body, c)
-    return c["ids"], c["mask"], c["logps"], c["step"]
+    return c["ids"], c["mask"], c["logps"], c["step"], c["num_kept"], c["log_kept_mass"]
 
 # %% ../nbs/10_sampling.ipynb
 def _is_cache(x) -> bool: return isinstance(x, dict) and {"k", "v", "index"} <= set(x)
@@ -286,6 +325,8 @@ class Rollout:
     per_token_logps: np.ndarray  # [B,T] float32, log softmax(logits / temperature) of each sampled token, 0 where masked
     text: list[str] | None = None
     num_truncated_prompts: int = 0
+    num_kept: np.ndarray | None = None       # [B,T] int32, the sampler's kept set per token (`kept_mask`); None: no top-k/top-p
+    log_kept_mass: np.ndarray | None = None  # [B,T] float32, log of that set's mass under the whole softmax; None likewise
 
 def generate(model, prompt_ids: Sequence[Sequence[int]], *, max_prompt_length: int, max_completion_length: int,
              num_generations: int = 1, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -306,7 +347,9 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], *, max_prompt_length: i
                                    num_generations=G)
     c_ids, c_mask, logps = (np.asarray(a)[:len(ids) * G] for a in out[:3])    # a program's rows past the call's: cut
     text = _texts(tokenizer, c_ids, c_mask, eos_ids) if tokenizer is not None else None
-    return Rollout(np.repeat(ids, G, 0), np.repeat(mask, G, 0), c_ids, c_mask, logps, text, n_trunc)
+    cut = temperature > 0 and (top_k > 0 or top_p < 1)     # the trainer replays the filter's kept set (`kept_mask`)
+    kept = [np.asarray(a)[:len(ids) * G] if cut else None for a in out[4:6]]
+    return Rollout(np.repeat(ids, G, 0), np.repeat(mask, G, 0), c_ids, c_mask, logps, text, n_trunc, *kept)
 
 def _texts(tokenizer, c_ids, c_mask, eos_ids) -> list[str]:
     "Each completion decoded up to and excluding its stop token (special tokens that are not stop ids kept)."
@@ -315,65 +358,83 @@ def _texts(tokenizer, c_ids, c_mask, eos_ids) -> list[str]:
             for r, m in zip(c_ids, c_mask)]
 
 # %% ../nbs/10_sampling.ipynb
-def _logps_chunk(h_btd, w_vd, tokens_bt, temperature, with_entropy: bool):
-    "Scaled logits [B,c,V] (float32) of one chunk, their lse, the tokens' log-probs and (or None) the entropy [B,c]."
+def _logps_chunk(h_btd, w_vd, tokens_bt, temperature, with_entropy: bool, num_kept_bt=None, max_kept=None):
+    "Scaled logits [B,c,V] (float32) of one chunk (-inf outside the sampler's kept set where `num_kept_bt` is given, `kept_mask`), their lse, the tokens' log-probs and (or None) the entropy [B,c]."
     z_btv = constrain(jnp.einsum("btd,vd->btv", h_btd, w_vd, preferred_element_type=jnp.float32),
                       ("batch", "length", "vocab")) / temperature
+    return _logps_of(z_btv, tokens_bt, with_entropy, num_kept_bt, max_kept)
+
+def _logps_of(z_btv, tokens_bt, with_entropy: bool, num_kept_bt=None, max_kept=None):
+    "`_logps_chunk` from the scaled logits [B,c,V]."
+    keep = None if num_kept_bt is None else kept_mask(z_btv, num_kept_bt, tokens_bt, max_kept)
+    if keep is not None: z_btv = jnp.where(keep, z_btv, -jnp.inf)
     lse_bt = jax.nn.logsumexp(z_btv, axis=-1)
     logp_bt = jnp.take_along_axis(z_btv, tokens_bt[..., None], axis=-1)[..., 0] - lse_bt
-    entropy_bt = lse_bt - jnp.sum(jnp.exp(z_btv - lse_bt[..., None]) * z_btv, axis=-1) if with_entropy else None
+    entropy_bt = None
+    if with_entropy:
+        if keep is None: pz = jnp.exp(z_btv - lse_bt[..., None]) * z_btv
+        else:                                                    # 0 log 0 = 0 outside the set, its gradient 0 (not NaN)
+            zk = jnp.where(keep, z_btv, 0.0)
+            pz = jnp.where(keep, jnp.exp(zk - lse_bt[..., None]) * zk, 0.0)
+        entropy_bt = lse_bt - jnp.sum(pz, axis=-1)
     return z_btv, lse_bt, logp_bt, entropy_bt
 
-def _logps_scan(h_btd, w_vd, tokens_bt, temperature, chunk_len: int, with_entropy: bool):
+def _logps_scan(h_btd, w_vd, tokens_bt, temperature, num_kept_bt, chunk_len: int, with_entropy: bool, max_kept=None):
     "Log-probs, entropy (or None) and lse [B,T] of all chunks."
     w = w_vd.astype(h_btd.dtype)
-    body = lambda _, xs: (None, _logps_chunk(xs[0], w, xs[1], temperature, with_entropy)[1:])
-    _, (lse, logp, entropy) = jax.lax.scan(body, None, (split_chunks(h_btd, chunk_len), split_chunks(tokens_bt, chunk_len)))
+    body = lambda _, xs: (None, _logps_chunk(xs[0], w, xs[1], temperature, with_entropy, xs[2], max_kept)[1:])
+    kept = None if num_kept_bt is None else split_chunks(num_kept_bt, chunk_len)
+    _, (lse, logp, entropy) = jax.lax.scan(body, None, (split_chunks(h_btd, chunk_len), split_chunks(tokens_bt, chunk_len), kept))
     t = h_btd.shape[1]
     return join_chunks(logp, t), (join_chunks(entropy, t) if with_entropy else None), join_chunks(lse, t)
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _chunked_logps(h_btd, w_vd, tokens_bt, temperature, chunk_len, with_entropy):
-    logp, entropy, _ = _logps_scan(h_btd, w_vd, tokens_bt, temperature, chunk_len, with_entropy)
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _chunked_logps(h_btd, w_vd, tokens_bt, temperature, num_kept_bt, chunk_len, with_entropy, max_kept):
+    logp, entropy, _ = _logps_scan(h_btd, w_vd, tokens_bt, temperature, num_kept_bt, chunk_len, with_entropy, max_kept)
     return (logp, entropy) if with_entropy else logp
 
-def _chunked_logps_fwd(h_btd, w_vd, tokens_bt, temperature, chunk_len, with_entropy):
-    logp, entropy, lse = _logps_scan(h_btd, w_vd, tokens_bt, temperature, chunk_len, with_entropy)
+def _chunked_logps_fwd(h_btd, w_vd, tokens_bt, temperature, num_kept_bt, chunk_len, with_entropy, max_kept):
+    logp, entropy, lse = _logps_scan(h_btd, w_vd, tokens_bt, temperature, num_kept_bt, chunk_len, with_entropy, max_kept)
     out = (logp, entropy) if with_entropy else logp
-    return out, (h_btd, w_vd, tokens_bt, temperature, lse, entropy if with_entropy else lse)
+    return out, (h_btd, w_vd, tokens_bt, temperature, num_kept_bt, lse, entropy if with_entropy else lse)
 
-def _chunked_logps_bwd(chunk_len, with_entropy, res, cts):
-    h_btd, w_vd, tokens_bt, temperature, lse, entropy = res
+def _chunked_logps_bwd(chunk_len, with_entropy, max_kept, res, cts):
+    h_btd, w_vd, tokens_bt, temperature, num_kept_bt, lse, entropy = res
     g_logp, g_entropy = cts if with_entropy else (cts, jnp.zeros_like(cts))
     h_btd, = after(g_logp, h_btd)                                  # recomputed in the backward, not kept (02_model)
     w = plus_zero(w_vd, zero_of(g_logp)).astype(h_btd.dtype)
     def body(dw_dv, xs):
-        h, tok, lse_c, ent_c, g_lp, g_ent = xs
-        z, *_ = _logps_chunk(h, w, tok, temperature, False)     # the chunk's logits again
+        h, tok, lse_c, ent_c, g_lp, g_ent, n = xs
+        z, *_ = _logps_chunk(h, w, tok, temperature, False, n, max_kept)     # the chunk's logits again
         p = jnp.exp(z - lse_c[..., None])
         dz = g_lp[..., None] * ((jnp.arange(z.shape[-1]) == tok[..., None]) - p)
-        if with_entropy: dz = dz - g_ent[..., None] * p * (z - lse_c[..., None] + ent_c[..., None])
+        if with_entropy:
+            dent = g_ent[..., None] * p * (z - lse_c[..., None] + ent_c[..., None])
+            dz = dz - (dent if n is None else jnp.where(z > -jnp.inf, dent, 0.0))
         dz = (dz / temperature).astype(h.dtype)
         dh = jnp.einsum("btv,vd->btd", dz, w, preferred_element_type=jnp.float32).astype(h.dtype)
         return dw_dv + jnp.einsum("btd,btv->dv", h, dz, preferred_element_type=jnp.float32), dh   # [D,V], as in 07
-    xs = tuple(split_chunks(x, chunk_len) for x in (h_btd, tokens_bt, lse, entropy, g_logp, g_entropy))
+    xs = tuple(None if x is None else split_chunks(x, chunk_len)
+               for x in (h_btd, tokens_bt, lse, entropy, g_logp, g_entropy, num_kept_bt))
     dw_dv, dh = jax.lax.scan(body, plus_zero(jnp.zeros(w_vd.shape[::-1], jnp.float32), zero_of(g_logp)), xs)
-    return join_chunks(dh, h_btd.shape[1]), dw_dv.T.astype(w_vd.dtype), None, None
+    return join_chunks(dh, h_btd.shape[1]), dw_dv.T.astype(w_vd.dtype), None, None, None
 
 _chunked_logps.defvjp(_chunked_logps_fwd, _chunked_logps_bwd)
 
 def chunked_logps(hidden_btd: jax.Array, w_vd: jax.Array, tokens_bt: jax.Array, temperature=1.0, *,
-                  chunk_size: int = LOGITS_CHUNK_SIZE, with_entropy: bool = False):
-    "Log-probs [B,T] float32 of `tokens_bt` under softmax(hidden @ w.T / temperature), `chunk_size` tokens at a time; with `with_entropy`, (log-probs, entropy). Temperature 0 counts as 1."
+                  chunk_size: int = LOGITS_CHUNK_SIZE, with_entropy: bool = False, num_kept_bt=None,
+                  max_kept: int | None = None):
+    "Log-probs [B,T] float32 of `tokens_bt` under softmax(hidden @ w.T / temperature), `chunk_size` tokens at a time; with `with_entropy`, (log-probs, entropy). Temperature 0 counts as 1. With `num_kept_bt` (the sampler's, `sample_token_mask`), both over the sampler's kept set (`kept_mask`)."
     t = jnp.asarray(temperature, jnp.float32)
-    return _chunked_logps(hidden_btd, w_vd, jnp.asarray(tokens_bt, jnp.int32), jnp.where(t > 0, t, 1.0),
-                          chunk_length(chunk_size, hidden_btd.shape[0]), with_entropy)
+    n = None if num_kept_bt is None else jnp.asarray(num_kept_bt, jnp.int32)
+    return _chunked_logps(hidden_btd, w_vd, jnp.asarray(tokens_bt, jnp.int32), jnp.where(t > 0, t, 1.0), n,
+                          chunk_length(chunk_size, hidden_btd.shape[0]), with_entropy, max_kept)
 
 # %% ../nbs/10_sampling.ipynb
 def completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0,
                      num_generations: int = 1, *, chunk_size: int | None = LOGITS_CHUNK_SIZE,
-                     with_entropy: bool = False):
-    "Teacher-forced log-probs [B,T] of `completion_ids` after left-padded prompts, under softmax(logits / temperature); 0 where masked. With `with_entropy`, (log-probs, entropy [B,T]). A `Decoder` computes the logits `chunk_size` tokens at a time (0 / None: all at once); with `num_generations` G > 1, rows b*G..b*G+G-1 must share a prompt (as `generate` returns them) and a `Decoder` runs each prompt once."
+                     with_entropy: bool = False, num_kept=None, max_kept: int | None = None):
+    "Teacher-forced log-probs [B,T] of `completion_ids` after left-padded prompts, under softmax(logits / temperature) (renormalised over the sampler's kept set where `num_kept` [B,T] is given: `kept_mask`); 0 where masked. With `with_entropy`, (log-probs, entropy [B,T]). A `Decoder` computes the logits `chunk_size` tokens at a time (0 / None: all at once); with `num_generations` G > 1, rows b*G..b*G+G-1 must share a prompt (as `generate` returns them) and a `Decoder` runs each prompt once."
     P, T = prompt_ids.shape[1], completion_ids.shape[1]
     prompt_ids, prompt_mask = jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32)
     completion_ids, keep = jnp.asarray(completion_ids, jnp.int32), jnp.asarray(completion_mask) > 0
@@ -384,12 +445,15 @@ def completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_
                              logits_range=(P - 1, P + T - 1), return_hidden=True)
         if chunk_size:
             out = chunked_logps(hidden, model.output_weights(), completion_ids, temperature, chunk_size=chunk_size,
-                                with_entropy=with_entropy)
+                                with_entropy=with_entropy, num_kept_bt=num_kept, max_kept=max_kept)
             logps, entropy = out if with_entropy else (out, None)
         else: logits = model.logits(hidden)
     else: logits = model(*_teacher_forced_inputs(prompt_ids, prompt_mask, completion_ids),
                          logits_range=(P - 1, P + T - 1))              # no logits for the prompt
-    if not (chunk_size and isinstance(model, Decoder)):
+    if not (chunk_size and isinstance(model, Decoder)) and num_kept is not None:
+        z = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
+        _, _, logps, entropy = _logps_of(z, completion_ids, with_entropy, jnp.asarray(num_kept, jnp.int32), max_kept)
+    elif not (chunk_size and isinstance(model, Decoder)):
         logps = scaled_logps(logits, completion_ids, temperature)
         entropy = scaled_entropy(logits, temperature) if with_entropy else None
     logps = jnp.where(keep, logps, 0.0)
@@ -439,12 +503,13 @@ def merge_groups(x: jax.Array, num_generations: int) -> jax.Array:
 
 # %% ../nbs/10_sampling.ipynb
 def make_logps_fn(graphdef, temperature: float, num_generations: int = 1, parts: int = 1,
-                  chunk_size: int | None = LOGITS_CHUNK_SIZE):
-    "Jitted teacher-forced log-probs `(params, rest, batch) -> [B,T]` of the batch's completions, `parts` micro-batches of whole groups at a time."
+                  chunk_size: int | None = LOGITS_CHUNK_SIZE, max_kept: int | None = None):
+    "Jitted teacher-forced log-probs `(params, rest, batch) -> [B,T]` of the batch's completions, `parts` micro-batches of whole groups at a time; over the sampler's kept sets where the batch has `num_kept` (`kept_mask`, `max_kept`)."
     def logps(params, rest, b):
         model = nnx.merge(graphdef, params, rest)
         one = lambda m: completion_logps(model, m["prompt_ids"], m["prompt_mask"], m["completion_ids"],
-                                         m["completion_mask"], temperature, num_generations, chunk_size=chunk_size)
-        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+                                         m["completion_mask"], temperature, num_generations, chunk_size=chunk_size,
+                                         num_kept=m.get("num_kept"), max_kept=max_kept)
+        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", *(("num_kept",) if "num_kept" in b else ()))
         return merge_groups(jax.lax.map(one, split_groups({k: b[k] for k in keys}, parts, num_generations)), num_generations)
     return jax.jit(logps)

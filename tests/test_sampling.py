@@ -206,8 +206,8 @@ def test_loop_exits_early_when_all_rows_done(model):
     every_token = np.arange(model.cfg.vocab_size, dtype=np.int32)               # whatever is sampled stops
     out = sample_completions(graphdef, state, ids, mask, jax.random.key(0), np.float32(1.0), np.int32(0),
                              np.float32(1.0), every_token, np.int32(0), max_completion_length=16)
-    c_ids, c_mask, logps, steps = map(np.asarray, out)
-    assert int(steps) == 1
+    c_ids, c_mask, logps, steps, num_kept, _ = map(np.asarray, out)
+    assert int(steps) == 1 and (num_kept == 0).all()          # no top-k / top-p: no kept set to record
     assert c_mask[:, 0].all() and not c_mask[:, 1:].any() and (c_ids[:, 1:] == 0).all()
 
 
