@@ -336,10 +336,11 @@ _advantages_fn = jax.jit(group_advantages, static_argnums=1, static_argnames=("s
 
 def make_logps_pass(graphdef, temperature: float, num_generations: int, parts: int, chunk_size, correction: dict,
                     max_kept: int | None = None):
-    "Jitted `(params, rest, batch) -> (log-probs [B,T], importance weights [B,T], their metrics)`: the π_prox or π_ref log-prob pass (`make_logps_fn`, over the sampler's kept sets where the batch has `num_kept`) and the sampler correction (`importance_weights` against `batch['sampler_logps']`, `correction_options`) in one program."
+    "Jitted `(params, rest, batch) -> (log-probs [B,T], importance weights [B,T], their metrics)`: the π_prox or π_ref log-prob pass (`make_logps_fn`, over the sampler's kept sets where the batch has `num_kept`) and the sampler correction (`importance_weights` against `batch['sampler_logps']`, `correction_options`; none without them) in one program."
     logps_fn = make_logps_fn(graphdef, temperature, num_generations, parts, chunk_size=chunk_size, max_kept=max_kept)
     def logps(params, rest, b):
         lp = logps_fn(params, rest, b)
+        if "sampler_logps" not in b: return lp, None, {}    # a batch without the sampler's log-probs: no correction
         return lp, *importance_weights(lp, b["sampler_logps"], b["completion_mask"], **correction)
     return jax.jit(logps)
 
