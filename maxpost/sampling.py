@@ -328,6 +328,7 @@ class Rollout:
     num_kept: np.ndarray | None = None       # [B,T] int32, the sampler's kept set per token (`kept_mask`); None: no top-k/top-p
     log_kept_mass: np.ndarray | None = None  # [B,T] float32, log of that set's mass under the whole softmax; None likewise
 
+# %% ../nbs/10_sampling.ipynb
 def generate(model, prompt_ids: Sequence[Sequence[int]], *, max_prompt_length: int, max_completion_length: int,
              num_generations: int = 1, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              eos_ids: Sequence[int] = (), pad_id: int = 0, seed: int = 0, tokenizer=None,
@@ -351,6 +352,7 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], *, max_prompt_length: i
     kept = [np.asarray(a)[:len(ids) * G] if cut else None for a in out[4:6]]
     return Rollout(np.repeat(ids, G, 0), np.repeat(mask, G, 0), c_ids, c_mask, logps, text, n_trunc, *kept)
 
+# %% ../nbs/10_sampling.ipynb
 def _texts(tokenizer, c_ids, c_mask, eos_ids) -> list[str]:
     "Each completion decoded up to and excluding its stop token (special tokens that are not stop ids kept)."
     stop = {int(i) for i in eos_ids}
@@ -364,6 +366,7 @@ def _logps_chunk(h_btd, w_vd, tokens_bt, temperature, with_entropy: bool, num_ke
                       ("batch", "length", "vocab")) / temperature
     return _logps_of(z_btv, tokens_bt, with_entropy, num_kept_bt, max_kept)
 
+# %% ../nbs/10_sampling.ipynb
 def _logps_of(z_btv, tokens_bt, with_entropy: bool, num_kept_bt=None, max_kept=None):
     "`_logps_chunk` from the scaled logits [B,c,V]."
     keep = None if num_kept_bt is None else kept_mask(z_btv, num_kept_bt, tokens_bt, max_kept)
@@ -379,6 +382,7 @@ def _logps_of(z_btv, tokens_bt, with_entropy: bool, num_kept_bt=None, max_kept=N
         entropy_bt = lse_bt - jnp.sum(pz, axis=-1)
     return z_btv, lse_bt, logp_bt, entropy_bt
 
+# %% ../nbs/10_sampling.ipynb
 def _logps_scan(h_btd, w_vd, tokens_bt, temperature, num_kept_bt, chunk_len: int, with_entropy: bool, max_kept=None):
     "Log-probs, entropy (or None) and lse [B,T] of all chunks."
     w = w_vd.astype(h_btd.dtype)
@@ -388,6 +392,7 @@ def _logps_scan(h_btd, w_vd, tokens_bt, temperature, num_kept_bt, chunk_len: int
     t = h_btd.shape[1]
     return join_chunks(logp, t), (join_chunks(entropy, t) if with_entropy else None), join_chunks(lse, t)
 
+# %% ../nbs/10_sampling.ipynb
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _chunked_logps(h_btd, w_vd, tokens_bt, temperature, num_kept_bt, chunk_len, with_entropy, max_kept):
     logp, entropy, _ = _logps_scan(h_btd, w_vd, tokens_bt, temperature, num_kept_bt, chunk_len, with_entropy, max_kept)
@@ -398,6 +403,7 @@ def _chunked_logps_fwd(h_btd, w_vd, tokens_bt, temperature, num_kept_bt, chunk_l
     out = (logp, entropy) if with_entropy else logp
     return out, (h_btd, w_vd, tokens_bt, temperature, num_kept_bt, lse, entropy if with_entropy else lse)
 
+# %% ../nbs/10_sampling.ipynb
 def _chunked_logps_bwd(chunk_len, with_entropy, max_kept, res, cts):
     h_btd, w_vd, tokens_bt, temperature, num_kept_bt, lse, entropy = res
     g_logp, g_entropy = cts if with_entropy else (cts, jnp.zeros_like(cts))
@@ -421,6 +427,7 @@ def _chunked_logps_bwd(chunk_len, with_entropy, max_kept, res, cts):
 
 _chunked_logps.defvjp(_chunked_logps_fwd, _chunked_logps_bwd)
 
+# %% ../nbs/10_sampling.ipynb
 def chunked_logps(hidden_btd: jax.Array, w_vd: jax.Array, tokens_bt: jax.Array, temperature=1.0, *,
                   chunk_size: int = LOGITS_CHUNK_SIZE, with_entropy: bool = False, num_kept_bt=None,
                   max_kept: int | None = None):
@@ -459,6 +466,7 @@ def completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_
     logps = jnp.where(keep, logps, 0.0)
     return (logps, jnp.where(keep, entropy, 0.0)) if with_entropy else logps
 
+# %% ../nbs/10_sampling.ipynb
 def _teacher_forced_inputs(prompt_ids, prompt_mask, completion_ids):
     "tokens, positions and segment ids [B,P+T] of left-padded prompts followed by their completions."
     T = completion_ids.shape[1]
@@ -467,6 +475,7 @@ def _teacher_forced_inputs(prompt_ids, prompt_mask, completion_ids):
                                  prompt_mask.sum(1, keepdims=True) + jnp.arange(T, dtype=jnp.int32)[None]], 1)
     return tokens, positions, jnp.concatenate([prompt_mask, jnp.ones((tokens.shape[0], T), jnp.int32)], 1)
 
+# %% ../nbs/10_sampling.ipynb
 def _share_prompts(model, batch: int, g: int) -> bool:
     "Whether to run each group's prompt once: g > 1 and (under a mesh) the prompts split over devices as the rows are, so each device repeats its own groups' caches."
     if g <= 1: return False
@@ -474,6 +483,7 @@ def _share_prompts(model, batch: int, g: int) -> bool:
     mesh = active_mesh()
     return mesh is None or logical_spec(("batch",), (batch // g,), mesh) == logical_spec(("batch",), (batch,), mesh)
 
+# %% ../nbs/10_sampling.ipynb
 def _shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids, g: int) -> jax.Array:
     "Final hidden states [B,T,D] predicting each completion token: each group's prompt through the model once into a cache, repeated g times, then the completions."
     B, P, T = prompt_ids.shape[0], prompt_ids.shape[1], completion_ids.shape[1]
