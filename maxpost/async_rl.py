@@ -146,11 +146,13 @@ def train_step(self: AsyncRLTrainer) -> dict:
     if (self.step + 1) % self.cfg.weight_sync_steps == 0: self.producer.publish(self.snapshot(), self.step + 1)
     return info | {"async/staleness": lag, "async/dropped": self.producer.dropped, "timing/rollout_wait": wait}
 
+# %% ../nbs/15c_async.ipynb
 @patch
 def data_state(self: AsyncRLTrainer) -> dict:
     "The prompts' position after the last rollout trained on (queued and in-flight rollouts are not counted)."
     return self.prompts.state() if self.producer is None else dict(self.consumed_data_state)
 
+# %% ../nbs/15c_async.ipynb
 @patch
 def close(self: AsyncRLTrainer) -> None:
     if self.producer is not None: self.producer.close(); self.producer = None

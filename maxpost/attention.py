@@ -66,6 +66,7 @@ def _pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
     pad = size - x.shape[axis]
     return x if pad == 0 else jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)])
 
+# %% ../nbs/01b_attention.ipynb
 def _blocked_queries(x: jax.Array, k: int, bq: int) -> jax.Array:
     "[B,T,N,...] -> [nq,B,K,G*bq,...]: query block i of kv head k, its G heads stacked (row g*bq + t); T padded to whole blocks."
     b, t, n, rest = *x.shape[:3], x.shape[3:]
@@ -73,6 +74,7 @@ def _blocked_queries(x: jax.Array, k: int, bq: int) -> jax.Array:
     x = _pad_to(x, 1, nq * bq).reshape(b, nq, bq, k, n // k, *rest)
     return x.transpose(1, 0, 3, 4, 2, *range(5, x.ndim)).reshape(nq, b, k, n // k * bq, *rest)
 
+# %% ../nbs/01b_attention.ipynb
 def _unblocked(x: jax.Array, t: int, n: int) -> jax.Array:
     "Inverse of `_blocked_queries`: [nq,B,K,G*bq,...] -> [B,T,N,...]."
     nq, b, k, m, rest = *x.shape[:4], x.shape[4:]
@@ -80,6 +82,7 @@ def _unblocked(x: jax.Array, t: int, n: int) -> jax.Array:
     x = x.reshape(nq, b, k, g, m // g, *rest)
     return x.transpose(1, 0, 4, 2, 3, *range(5, x.ndim)).reshape(b, nq * (m // g), n, *rest)[:, :t]
 
+# %% ../nbs/01b_attention.ipynb
 def _blocked_spans(x_bt: jax.Array, bq: int) -> jax.Array:
     "[B,T] positions or segment ids -> [nq,B,bq] (padding: 0)."
     b, t = x_bt.shape
@@ -99,15 +102,18 @@ def _block_scores(q_i, qp_i, qs_i, k_bkhs, kp_bs, ks_bs, j, bk: int, scale, wind
     s = jnp.where(mask_bts[:, None, None], s.reshape(b, k, m // bq, bq, bk), NEG_INF)
     return s.reshape(b, k, m, bk), k_j
 
+# %% ../nbs/01b_attention.ipynb
 def _key_blocks_needed(i, bq: int, bk: int, nk: int, causal: bool):
     "How many key blocks query block `i` looks at: all `nk`, or, causal by index, those that start before its end."
     if not causal: return nk
     return min(-(-(i + 1) * bq // bk), nk) if isinstance(i, int) else jnp.minimum(((i + 1) * bq + bk - 1) // bk, nk)
 
+# %% ../nbs/01b_attention.ipynb
 def _fori(n, body, carry):
     "`lax.fori_loop(0, n, body, carry)`; one iteration is straight-line code (short sequences, decode steps)."
     return body(0, carry) if isinstance(n, int) and n == 1 else jax.lax.fori_loop(0, n, body, carry)
 
+# %% ../nbs/01b_attention.ipynb
 def _scan(body, carry, xs):
     "`lax.scan(body, carry, xs)` over (i, *xs), its stacked outputs in buffers made from the data (see below); a single step is straight-line code with `i` a Python 0."
     n = xs[0].shape[0]
@@ -247,6 +253,7 @@ def _dot_product_attention(q_btnh, k_bkhs, v_bksh, spans: Spans, scale, window, 
         key_value_seq_lengths=lengths_b, local_window_size=None if window is None else (window - 1, 0),
         implementation=implementation).astype(q_btnh.dtype)
 
+# %% ../nbs/01b_attention.ipynb
 def _splash_attention(q_btnh, k_bkhs, v_bksh, spans: Spans, scale, window, interpret: bool | None = None):
     "TPU Splash attention on rows that `_contiguous_segments` accepts, in a `shard_map` under a mesh (batch and heads split as the activations are); `interpret` (default: off a TPU) runs the Pallas kernel on any backend, slowly."
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk

@@ -111,6 +111,7 @@ def _rope_out(cfg: ModelConfig, theta: float, scaled: bool = True) -> dict:
               "original_max_position_embeddings": cfg.rope_original_max_len}
     return p
 
+# %% ../nbs/03_checkpoint.ipynb
 def model_config_to_hf_config(cfg: ModelConfig) -> dict:
     "A Hugging Face `config.json` dict for `cfg`."
     arch, mtype = {"llama": ("LlamaForCausalLM", "llama"), "qwen3": ("Qwen3ForCausalLM", "qwen3"),
@@ -291,6 +292,7 @@ def save_limit_gb(*trees) -> int:
                   default=0)
     return int(largest // 10**9) + 1
 
+# %% ../nbs/03_checkpoint.ipynb
 def checkpoint_manager(directory, *, max_to_keep: int | None = None, save_concurrent_gb: int | None = None,
                        async_save: bool = False) -> ocp.CheckpointManager:
     "An Orbax manager over `directory` (created if needed); with `max_to_keep`, older steps beyond it are deleted now and after each complete save (`prune_steps`: never through a link); with `save_concurrent_gb`, a save holds at most that many GB in flight; with `async_save`, `save_state` returns while the write goes on."
@@ -305,6 +307,7 @@ def checkpoint_manager(directory, *, max_to_keep: int | None = None, save_concur
     prune_steps(mgr, max_to_keep)
     return mgr
 
+# %% ../nbs/03_checkpoint.ipynb
 def prune_steps(mgr: ocp.CheckpointManager, max_to_keep: int | None) -> list[int]:
     "Delete the steps older than the newest `max_to_keep`, except a step directory that is a symbolic link (kept, with a warning saying what to do); returns the steps deleted. A deletion that fails warns: the checkpoints written are intact."
     if max_to_keep is None: return []
@@ -427,6 +430,7 @@ def _release_orbax_threads() -> None:
     if waiting:   # the work they were to do is dropped, and Python would say so for each piece at exit
         warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
 
+# %% ../nbs/03_checkpoint.ipynb
 def _write_error(mgr: ocp.CheckpointManager, step: int, e: BaseException, when: str = "") -> CheckpointError:
     "The one-line `CheckpointError` of a write of `step` that failed with `e` (`when`: where a background write's failure was found), after putting `mgr` back on its complete steps."
     mgr.reload(); _release_orbax_threads()
@@ -435,12 +439,12 @@ def _write_error(mgr: ocp.CheckpointManager, step: int, e: BaseException, when: 
                            f"{e}. {_intact(latest).capitalize()}; fix the cause (permissions, free space, another "
                            f"process writing the same run) and rerun{' to resume' if latest is not None else ''}")
 
+# %% ../nbs/03_checkpoint.ipynb
 def _check_writable(mgr: ocp.CheckpointManager, step: int) -> None:
     "Raise `CheckpointError` before a save when the checkpoint directory takes no new entry (read-only, no permission): an asynchronous save would only find it in the background."
     probe = Path(mgr.directory) / f".maxpost-probe-{socket.gethostname()}-{os.getpid()}"
     try: probe.mkdir(); probe.rmdir()
     except OSError as e: raise _write_error(mgr, step, e) from None
-
 
 # %% ../nbs/03_checkpoint.ipynb
 def finish_saves(mgr: ocp.CheckpointManager, when: str = "") -> None:
@@ -452,6 +456,7 @@ def finish_saves(mgr: ocp.CheckpointManager, when: str = "") -> None:
     finally: _loud_orbax()
     prune_steps(mgr, getattr(mgr, "maxpost_max_to_keep", None))   # after a complete save: never mixed up with it
 
+# %% ../nbs/03_checkpoint.ipynb
 def save_state(mgr: ocp.CheckpointManager, step: int, params, opt_state=None, meta: dict | None = None) -> None:
     "Save `params` (and `opt_state`, JSON `meta`) as checkpoint `step`, after the save in flight completes; with an asynchronous `mgr`, return once the arrays are on the host. No room, an unwritable directory or a failed write raise `CheckpointError` (a background write's: at the next save or `finish_saves`) and leave the earlier steps intact."
     step = int(step)
@@ -467,7 +472,6 @@ def save_state(mgr: ocp.CheckpointManager, step: int, params, opt_state=None, me
         _loud_orbax(); raise _write_error(mgr, step, e) from e
     mgr.maxpost_pending = step
     if not getattr(mgr, "maxpost_async", False): finish_saves(mgr)
-
 
 # %% ../nbs/03_checkpoint.ipynb
 def describe_size(n: int) -> str:

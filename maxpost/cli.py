@@ -95,6 +95,7 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+# %% ../nbs/17_cli.ipynb
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="maxpost", description="LLM post-training (SFT, GRPO, GSPO) in JAX.",
                                 epilog="Each command takes [base.yml] key=value ...; see `maxpost config sft`. Exit codes: "
@@ -104,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_parser(name, help=help_, add_help=False).add_argument("args", nargs=argparse.REMAINDER)
     return p
 
+# %% ../nbs/17_cli.ipynb
 def main(argv: Optional[Sequence[str]] = None) -> int:
     "The `maxpost` console script."
     argv = list(sys.argv[1:] if argv is None else argv)

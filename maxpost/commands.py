@@ -28,6 +28,7 @@ def given_explicitly(key: str, base, overrides) -> bool:
     try: return key in (yaml.safe_load(Path(base).read_text()) or {})
     except (OSError, yaml.YAMLError, TypeError): return False
 
+# %% ../nbs/08c_commands.ipynb
 def default_start_problem(cfg: RunConfig, explicit: bool) -> str | None:
     "Why a run on data other than the embedded task must not start from the base config's default checkpoint (the embedded task's toy SFT model), or None."
     if explicit or not getattr(cfg, "dataset_name", "") or not cfg.load_parameters_path: return None
@@ -36,6 +37,7 @@ def default_start_problem(cfg: RunConfig, explicit: bool) -> str | None:
             f"load_parameters_path= explicitly: your model's directory (or load_parameters_path={cfg.load_parameters_path} "
             "to start from the toy model anyway)")
 
+# %% ../nbs/08c_commands.ipynb
 def output_problem(cfg: RunConfig) -> str | None:
     "Why `base_output_directory` cannot take a new file (tried in its nearest existing directory), or None."
     d = Path(os.path.expanduser(cfg.base_output_directory or "."))

@@ -247,11 +247,13 @@ class Kind:
 
 KINDS: dict[str, Kind] = {}   # name -> Kind, in the order the kinds' chapters registered them
 
+# %% ../nbs/00_config.ipynb
 def register_kind(name: str, config: type, main: Callable[..., int], help: str, trainer: Optional[type] = None) -> Kind:
     "Declare a kind of run (each kind's chapter, once); returns it. A second declaration of a name replaces the first."
     KINDS[name] = k = Kind(name, config, main, help, trainer)
     return k
 
+# %% ../nbs/00_config.ipynb
 def kind_of(kind: str | Kind) -> Kind:
     "The registered `Kind` of that name (a `Kind` is returned as it is)."
     if isinstance(kind, Kind): return kind
@@ -273,16 +275,19 @@ def _in_interval(v: float, spec: str) -> bool:
     lo, hi = (float(x) for x in spec[1:-1].split(","))
     return (v >= lo if spec[0] == "[" else v > lo) and (v <= hi if spec[-1] == "]" else v < hi)
 
+# %% ../nbs/00_config.ipynb
 def close_names(word: str, options: Sequence[str]) -> list[str]:
     "The at most 3 `options` closest to `word` (difflib ratio >= 0.6), keeping only those within 0.1 of the closest."
     scored = sorted(((difflib.SequenceMatcher(None, word, o).ratio(), o) for o in options), reverse=True)   # as difflib orders them
     best = scored[0][0] if scored else 0.0
     return [o for r, o in scored[:3] if r >= 0.6 and r >= best - 0.1]
 
+# %% ../nbs/00_config.ipynb
 def _suggest(word: str, options: Sequence[str]) -> str:
     close = close_names(word, options)
     return f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
+# %% ../nbs/00_config.ipynb
 def value_problems(cfg) -> list[str]:
     "Words outside their list and numbers out of range, as each field's `key(...)` declares them."
     out = []
@@ -385,6 +390,7 @@ def _yaml_problem(e: yaml.YAMLError, text: str | None = None) -> str:
     if ctx is not None and getattr(e, "context", None): out += f", {e.context} opened at {at(ctx)}"
     return out
 
+# %% ../nbs/00_config.ipynb
 def _read_base(base: Path, cls) -> Any:
     "The YAML base as an OmegaConf mapping, its keys checked."
     if not base.exists(): raise ConfigError(f"config base {str(base)!r} does not exist")

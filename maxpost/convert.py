@@ -25,6 +25,7 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
     for name in _TOKENIZER_FILES:
         if (src / name).exists(): (dst / name).write_bytes((src / name).read_bytes())
 
+# %% ../nbs/16_convert.ipynb
 def _write_run(model: Decoder, out_dir: Path, source: str, tokenizer_src: Path | None = None) -> Path:
     "`out_dir` as a maxpost run holding `model`: checkpoints/0, model_config.json, tokenizer/."
     params = nnx.state(model, nnx.Param)
@@ -35,6 +36,7 @@ def _write_run(model: Decoder, out_dir: Path, source: str, tokenizer_src: Path |
         if tokenizer_src is not None: _copy_tokenizer(Path(tokenizer_src), out_dir / "tokenizer")
     return out_dir
 
+# %% ../nbs/16_convert.ipynb
 def hf_to_maxpost(hf_dir, out_dir, *, dtype=jnp.float32, mesh=None) -> Path:
     "Write a Hugging Face checkpoint as a maxpost run directory (checkpoints/0, model_config.json, tokenizer/)."
     hf_dir = Path(hf_dir)
@@ -63,12 +65,14 @@ def maxpost_to_hf(run_or_step, out_dir) -> Path:
 # %% ../nbs/16_convert.ipynb
 def _is_nonempty_dir(p: Path) -> bool: return p.is_dir() and any(p.iterdir())
 
+# %% ../nbs/16_convert.ipynb
 def _alive(pid: int) -> bool:
     try: os.kill(pid, 0)
     except ProcessLookupError: return False
     except (PermissionError, OverflowError): return True
     return True
 
+# %% ../nbs/16_convert.ipynb
 def _remove_stale(dst: Path) -> list[Path]:
     "Remove the temporaries `.DST.convert-PID` / `.DST.old-PID` that a killed convert left next to `dst` (its PID is gone)."
     gone = []
@@ -78,6 +82,7 @@ def _remove_stale(dst: Path) -> list[Path]:
             shutil.rmtree(p, ignore_errors=True); gone.append(p)
     return gone
 
+# %% ../nbs/16_convert.ipynb
 def _write_replacing(dst: Path, write) -> Path:
     "Run `write(tmp)` into a fresh sibling of `dst`, then put it in place of `dst` (removing the old one, and what a killed convert left)."
     dst = dst.absolute()

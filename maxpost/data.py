@@ -30,11 +30,13 @@ def _auto_tokenizer():
     from transformers import AutoTokenizer
     return AutoTokenizer
 
+# %% ../nbs/04_data.ipynb
 def _tokenizer_class(d: Path) -> str | None:
     "The `tokenizer_class` a tokenizer directory's tokenizer_config.json names, if any."
     try: return json.loads((d / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError, AttributeError): return None
 
+# %% ../nbs/04_data.ipynb
 def load_tokenizer(path: str | Path, *, chat_template: str | None = None):
     "Load a Hugging Face tokenizer (tokenizer.json + chat template) from a checkpoint directory, a tokenizer file or a hub name."
     from transformers import PreTrainedTokenizerFast
@@ -88,6 +90,7 @@ def _columns(messages_column="messages", prompt_column="prompt", completion_colu
     return {"messages": [messages_column], "prompt_completion": [prompt_column, completion_column],
             "question_answer": [question_column, answer_column], "text": [text_column]}
 
+# %% ../nbs/04_data.ipynb
 def detect_format(column_names: Sequence[str], data_format: str = "auto", **columns) -> str:
     "The dataset format (one of FORMATS) from its columns, or check the explicitly given one; a clear error otherwise."
     found, need = list(column_names), _columns(**columns)
@@ -122,8 +125,10 @@ def _builder(files: str | Sequence[str]) -> str | None:
     name = str(first).lower().removesuffix(".gz").removesuffix(".zst")
     return next((b for ext, b in _BUILDERS.items() if name.endswith(ext)), None)
 
+# %% ../nbs/04_data.ipynb
 def _is_saved(p: Path) -> bool: return p.is_dir() and ((p / "state.json").exists() or (p / "dataset_dict.json").exists())
 
+# %% ../nbs/04_data.ipynb
 def _file_splits(name_or_path, data_files=None) -> dict[str, list[str]] | None:
     "{split: files} for local files (a file or a list of files is one split, 'train') or a directory of split files; else None."
     as_list = lambda fs: [str(fs)] if isinstance(fs, (str, Path)) else [str(f) for f in fs]
@@ -137,6 +142,7 @@ def _file_splits(name_or_path, data_files=None) -> dict[str, list[str]] | None:
     except Exception as e: raise ConfigError(f"no data files in the directory {p} ({type(e).__name__}: {e})") from None
     return {str(k): list(v) for k, v in found.items()}
 
+# %% ../nbs/04_data.ipynb
 def dataset_splits(name_or_path: str | Path, *, dataset_config: str = "", data_files=None) -> list[str]:
     "The split names of a dataset: 'train' alone for a data file, one per split file for a directory, the hub's list."
     if (found := _file_splits(name_or_path, data_files)) is not None: return list(found)
@@ -162,6 +168,7 @@ def _utf8_problem(path: str) -> str | None:
     except UnicodeDecodeError: return f"the file ends inside a character (offset {offset})"
     return None
 
+# %% ../nbs/04_data.ipynb
 def _read_problem(files: Sequence[str], builder: str | None) -> str | None:
     "What is wrong with the first unreadable local file, naming it; None when no file-level fault is found."
     for f in files:
@@ -173,10 +180,12 @@ def _read_problem(files: Sequence[str], builder: str | None) -> str | None:
         if p.stat().st_size < 1 << 20 and not p.read_bytes().strip(): return f"dataset file {f} has no rows, only blank lines"
     return None
 
+# %% ../nbs/04_data.ipynb
 def _root_cause(e: BaseException) -> str:
     while (e.__cause__ or e.__context__) is not None: e = e.__cause__ or e.__context__
     return f"{type(e).__name__}: {e}"
 
+# %% ../nbs/04_data.ipynb
 def _check_files(files: Sequence[str]) -> str | None:
     "The builder most of the files use; ConfigError naming a file that is missing, empty or not UTF-8 text."
     builders = [_builder(f) for f in files]
@@ -270,10 +279,12 @@ def _common_prefix(a: str, b: str) -> int:
         lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
     return lo
 
+# %% ../nbs/04_data.ipynb
 def _render(tokenizer, messages, generation_prompt: bool, chat_template_kwargs=None) -> str:
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt,
                                          **(chat_template_kwargs or {}))
 
+# %% ../nbs/04_data.ipynb
 def assistant_spans(tokenizer, messages: Sequence[dict], chat_template_kwargs: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
     "The rendered conversation and the character spans [start, end) of its assistant turns (incremental rendering)."
     full = _render(tokenizer, messages, False, chat_template_kwargs)
@@ -305,12 +316,14 @@ def _has_generation_markers(tokenizer) -> bool:
     t = tokenizer.chat_template
     return isinstance(t, str) and _GENERATION.search(t) is not None
 
+# %% ../nbs/04_data.ipynb
 def _span_mask(offsets, spans) -> list[int]:
     "1 for each token whose characters [s, max(e, s + 1)) overlap a character span [a, b) of `spans`, else 0."
     o, sp = np.asarray(offsets, np.int64).reshape(-1, 1, 2), np.asarray(spans, np.int64).reshape(1, -1, 2)
     s, e = o[..., 0], np.maximum(o[..., 1], o[..., 0] + 1)
     return ((s < sp[..., 1]) & (e > sp[..., 0])).any(1).astype(int).tolist()
 
+# %% ../nbs/04_data.ipynb
 def _encode_chats(tokenizer, conversations: Sequence[Sequence[dict]], chat_template_kwargs: dict | None = None):
     "`encode_chat` of each conversation, the tokenizer called once for all of them."
     if not getattr(tokenizer, "chat_template", None):
@@ -324,10 +337,10 @@ def _encode_chats(tokenizer, conversations: Sequence[Sequence[dict]], chat_templ
     return [(list(ids), _span_mask(offsets, spans))
             for ids, offsets, (_, spans) in zip(enc["input_ids"], enc["offset_mapping"], rendered)]
 
+# %% ../nbs/04_data.ipynb
 def encode_chat(tokenizer, messages: Sequence[dict], chat_template_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
     "Token ids of a conversation rendered by the tokenizer's chat template and its assistant-token mask (1 = assistant)."
     return _encode_chats(tokenizer, [messages], chat_template_kwargs)[0]
-
 
 # %% ../nbs/04_data.ipynb
 def show_mask(tokenizer, tokens: Sequence[int], loss_mask: Sequence[int], open: str = "[", close: str = "]") -> str:
@@ -461,9 +474,11 @@ def _encode_batch(tokenizer, rows: Sequence[dict], first: int, fmt: str, train_o
         except _ROW_ERRORS as e: raise ConfigError(f"example {first + j} ({fmt} format): {e}") from e
     raise ConfigError(f"examples {first} to {first + len(rows) - 1} ({fmt} format): {failed}") from failed
 
+# %% ../nbs/04_data.ipynb
 def _rows(data, start: int, stop: int) -> list[dict]:
     return data.select(range(start, stop)).to_list() if hasattr(data, "select") else list(data[start:stop])
 
+# %% ../nbs/04_data.ipynb
 def _encode_shard(job: tuple) -> dict:
     "Rows [start, stop) of `data` (example `first` onwards) encoded and truncated, in a worker process or here: flat arrays, lengths, counts."
     data, start, stop, first, tokenizer, fmt, max_target_length, train_on, options = job
@@ -478,7 +493,6 @@ def _encode_shard(job: tuple) -> dict:
     return dict(tokens=cat(toks), loss_mask=cat(masks), lengths=np.array([len(t) for t in toks], np.int64),
                 dropped=dropped, truncated=truncated, longest=longest)
 
-
 # %% ../nbs/04_data.ipynb
 def _num_proc(num_proc: int | None, n: int) -> int:
     "Worker processes for `n` examples: `num_proc`, or by default one per core with 5,000 examples or more each (a worker takes seconds to start)."
@@ -487,6 +501,7 @@ def _num_proc(num_proc: int | None, n: int) -> int:
         num_proc = min(cores, n // 5000)
     return max(1, min(int(num_proc), n))
 
+# %% ../nbs/04_data.ipynb
 def _encode_all(dataset, tokenizer, fmt: str, max_target_length: int, train_on: str, options: dict, num_proc: int) -> list[dict]:
     "`_encode_shard` over the whole dataset, in order: here, or in `num_proc` processes (4 shards each, for balance)."
     n = len(dataset)
@@ -504,6 +519,7 @@ def _encode_all(dataset, tokenizer, fmt: str, max_target_length: int, train_on: 
         with _main_left_behind(): futures = [pool.submit(work, j) for j in jobs]   # the workers start here
         return [f.result() for f in futures]
 
+# %% ../nbs/04_data.ipynb
 @contextlib.contextmanager
 def _main_left_behind():
     "While worker processes start: they do not import the caller's `__main__` (Python's default), which would run a script without an `if __name__ == \"__main__\"` guard again in each worker (and import the CLI with JAX, seconds each); `_encode_shard` needs `maxpost.data` only."
@@ -511,7 +527,6 @@ def _main_left_behind():
     sys.modules["__main__"] = types.ModuleType("__main__")
     try: yield
     finally: sys.modules["__main__"] = main
-
 
 # %% ../nbs/04_data.ipynb
 def _fingerprint(dataset, tokenizer, settings: dict) -> str | None:
@@ -528,6 +543,7 @@ def _fingerprint(dataset, tokenizer, settings: dict) -> str | None:
     except (TypeError, ValueError): return None
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
+# %% ../nbs/04_data.ipynb
 _ARRAYS = ("tokens", "loss_mask", "offsets")
 
 def _load_examples(d: Path) -> Examples | None:
@@ -537,6 +553,7 @@ def _load_examples(d: Path) -> Examples | None:
         return Examples(*(np.asarray(np.load(d / f"{k}.npy", mmap_mode="r")) for k in _ARRAYS), **counts)
     except (OSError, ValueError, TypeError): return None
 
+# %% ../nbs/04_data.ipynb
 def _save_examples(d: Path, examples: Examples) -> None:
     "Write `examples` into `d` through a temporary directory renamed when complete; a failure (no room, no permission) only warns."
     tmp = d.with_name(f"{d.name}.tmp-{socket.gethostname()}-{os.getpid()}")
@@ -550,7 +567,6 @@ def _save_examples(d: Path, examples: Examples) -> None:
     except OSError as e:
         if not d.exists(): warnings.warn(f"could not cache the tokenized examples in {d} ({e}); the next run tokenizes them again")
     finally: shutil.rmtree(tmp, ignore_errors=True)
-
 
 # %% ../nbs/04_data.ipynb
 def tokenize_dataset(dataset, tokenizer, *, max_target_length: int, data_format: str = "auto", train_on: str = "auto",

@@ -45,6 +45,7 @@ def same_checkpoint(a: str, b: str) -> bool:
     a, b = (Path(os.path.realpath(os.path.expanduser(x))) for x in (a, b))
     return a == b or a in b.parents or b in a.parents
 
+# %% ../nbs/15d_distill.ipynb
 def tokenizer_fingerprint(tokenizer) -> str:
     "A hash of what two models must share to be compared token by token: every token's text and id, and the special tokens."
     import hashlib
@@ -52,6 +53,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     special = sorted((str(k), str(v)) for k, v in tokenizer.special_tokens_map.items())
     return hashlib.sha256(json.dumps([vocab, special]).encode()).hexdigest()[:16]
 
+# %% ../nbs/15d_distill.ipynb
 def teacher_tokenizer(cfg: DistillConfig):
     "The teacher checkpoint's own tokenizer (in its directory, its `tokenizer/`, or its run's), or None where it has none."
     from maxpost.data import load_tokenizer
@@ -59,6 +61,7 @@ def teacher_tokenizer(cfg: DistillConfig):
     try: return load_tokenizer(tokenizer_dir(dataclasses.replace(cfg, tokenizer_path="", load_parameters_path=cfg.teacher_path)))
     except ConfigError: return None
 
+# %% ../nbs/15d_distill.ipynb
 def check_teacher_tokenizer(student_tokenizer, teacher_fingerprint: str | None, where: str) -> None:
     "Refuse a teacher (or a top-k file) whose tokenizer is not the student's, though the vocabulary sizes may agree (a `ConfigError`, exit 2)."
     if teacher_fingerprint is not None and teacher_fingerprint != tokenizer_fingerprint(student_tokenizer):
@@ -150,10 +153,12 @@ def _raw_rows(cfg: DistillConfig, split: str):
     if cfg.dataset_name: return load_dataset_split(cfg.dataset_name, split, dataset_config=cfg.dataset_config)
     return load_dataset_split(*embedded_split(cfg, split))
 
+# %% ../nbs/15d_distill.ipynb
 def _dataset_completions_needed(cfg: DistillConfig) -> bool:
     "Whether some step trains on the dataset's completions (gkd; supervised or offline from the dataset)."
     return cfg.mode == "gkd" or (cfg.mode in ("supervised", "offline") and cfg.completion_source == "dataset")
 
+# %% ../nbs/15d_distill.ipynb
 def distill_examples(cfg: DistillConfig, split: str) -> list[dict]:
     "`{question, completion}` rows of `split`: the completion column, else the answer written as the embedded task's reply (`<reasoning>...</reasoning><answer>N</answer>`); None when the rows have neither and no step trains on dataset completions (a task of prompts and answers only, such as reasoning-gym's, on-policy)."
     rows, out = _raw_rows(cfg, split), []
@@ -262,6 +267,7 @@ def offline_path(cfg: DistillConfig) -> Path:
     "Where the teacher's top-k file is: `offline_path`, else `{run_dir}/teacher_topk.npz`."
     return Path(os.path.expanduser(cfg.offline_path)) if cfg.offline_path else run_dir(cfg) / "teacher_topk.npz"
 
+# %% ../nbs/15d_distill.ipynb
 def write_teacher_topk(cfg: DistillConfig, setup: Setup | None = None, *, progress: bool = True, announce: bool = False) -> Path:
     "`maxpost distill write-topk`: the teacher's top-`offline_k` log-probs at every token of `offline_examples` completions (dataset or teacher samples, `completion_source`) of the training prompts in the trainer's order, written once to `offline_path(cfg)` with the prompts and completions."
     s = setup if setup is not None else setup_run(cfg, models=teacher_models(dataclasses.replace(cfg, mode="supervised")), announce=announce)
@@ -307,6 +313,7 @@ def read_teacher_topk(path) -> tuple[dict, dict]:
         raise ConfigError(f"{path} is not a top-k file `maxpost distill write-topk` wrote (cut short, corrupted or "
                           f"another file: {type(e).__name__}); write it again with `maxpost distill write-topk ...`") from e
 
+# %% ../nbs/15d_distill.ipynb
 def check_topk_file(cfg: DistillConfig, meta: dict, student_tokenizer, path) -> None:
     "Refuse a top-k file written at another `offline_k` or `distill_temperature` than `cfg`'s, or under another tokenizer than the student's (or too old to say)."
     again = "; write it again with `maxpost distill write-topk <the same keys>`"

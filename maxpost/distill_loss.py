@@ -49,18 +49,22 @@ def _token_terms(s, t, beta, agree, entropy):
     return jnp.stack([generalized_jsd(s, t, beta), kl_divergence(t, s), kl_divergence(s, t),
                       agree.astype(jnp.float32), entropy])
 
+# %% ../nbs/12d_distill_loss.ipynb
 def _entropy(logps): return -(jnp.exp(logps) * logps).sum(-1)
 
+# %% ../nbs/12d_distill_loss.ipynb
 def _online_terms(student_logps, teacher_logps, beta):
     "Per-position terms [5, ...] of the student against a teacher known over the whole vocabulary."
     agree = jnp.argmax(student_logps, -1) == jnp.argmax(teacher_logps, -1)
     return _token_terms(student_logps, teacher_logps, beta, agree, _entropy(student_logps))
 
+# %% ../nbs/12d_distill_loss.ipynb
 def _masked_sums(terms, mask):
     "Sums [5] of the terms [5, B, T] over the positions where `mask` > 0, weighted by it."
     m = jnp.asarray(mask, jnp.float32)
     return jnp.where(m > 0, terms * m, 0.0).sum(tuple(range(1, terms.ndim)))
 
+# %% ../nbs/12d_distill_loss.ipynb
 def _finish(objective, sums, mask, num_tokens):
     "(loss, metrics): the objective (the divergences' sum) over `num_tokens` (default: this batch's count), and the sums."
     count = (jnp.asarray(mask) > 0).astype(jnp.float32).sum()
@@ -98,6 +102,7 @@ def _head_logps(h_btd, w_vd, temperature):
     z_btv = jnp.einsum("btd,vd->btv", h_btd, w_vd.astype(h_btd.dtype), preferred_element_type=jnp.float32)
     return jax.nn.log_softmax(constrain(z_btv, ("batch", "length", "vocab")) / temperature, axis=-1)
 
+# %% ../nbs/12d_distill_loss.ipynb
 def _chunk_sums(h, w, mask, teacher, teacher_w, temperature, beta, tail):
     "(objective, sums [5]) of one chunk: online (`tail` None, `teacher` the teacher's hidden states) or top-k (`teacher` = (log-probs, indices))."
     s = _head_logps(h, w, temperature)
@@ -106,6 +111,7 @@ def _chunk_sums(h, w, mask, teacher, teacher_w, temperature, beta, tail):
     sums = _masked_sums(terms, mask)
     return sums[0], sums
 
+# %% ../nbs/12d_distill_loss.ipynb
 def _distill_scan(h_s, w_s, mask, teacher, teacher_w, temperature, beta, tail, chunk_len, with_grad):
     "Sums [5] over all chunks and, `with_grad`, the objective's gradients for h_s [B,T,D] and w_s [V,D] (float32)."
     def body(dw, xs):

@@ -94,6 +94,7 @@ _new_api = "replace" in inspect.signature(OmegaConf.register_resolver).parameter
 def _is_conversation(x) -> bool:
     return isinstance(x, (list, tuple)) and all(isinstance(m, dict) and "role" in m and "content" in m for m in x)
 
+# %% ../nbs/15b_dpo.ipynb
 def extract_prompt(chosen, rejected) -> tuple:
     "(prompt, chosen reply, rejected reply) of two conversations, or two strings, that begin with the same prompt."
     if _is_conversation(chosen) and _is_conversation(rejected):
@@ -159,6 +160,7 @@ def _encode_replies(tokenizer, prompt, replies: list, max_prompt_length: int, ma
             "truncated": len(prompt_ids) > max_prompt_length or max(map(len, out)) > max_completion_length,
             "lengths": (len(prompt_ids), *map(len, out))}
 
+# %% ../nbs/15b_dpo.ipynb
 def encode_pair(tokenizer, row: dict, max_prompt_length: int = 512, max_completion_length: int = 512) -> dict:
     "`prompt_ids`, `chosen_ids`, `rejected_ids` of one row with `chosen`, `rejected` and an optional `prompt` (strings or conversations); `lengths`: the three before truncation."
     if problem := pair_problem(row): raise ValueError(f"{problem[0]} {problem[1]}")
@@ -218,6 +220,7 @@ def embedded_pairs(cfg: DPOConfig, split: str) -> tuple[str, str]:
     if not pairs.exists() or pairs.stat().st_mtime < task.stat().st_mtime: write_embedded_pairs(task.parent, seed=cfg.seed)
     return str(pairs), "train" + split[len(name):]
 
+# %% ../nbs/15b_dpo.ipynb
 def _read_split(cfg: DPOConfig, split: str, source: str | None):
     "(rows, column names, how an error names them) of `split` of `source` (default `dataset_name`; \"\" = the embedded pairs)."
     from maxpost.data import load_dataset_split
@@ -226,6 +229,7 @@ def _read_split(cfg: DPOConfig, split: str, source: str | None):
             load_dataset_split(*embedded_pairs(cfg, split)))
     return rows, list(rows.column_names), f"dataset {source or 'embedded pairs'!r} (split {split!r})"
 
+# %% ../nbs/15b_dpo.ipynb
 def _pairs_of(rows, names: list, where: str, cfg: DPOConfig) -> list[dict]:
     if missing := [c for c in (cfg.chosen_column, cfg.rejected_column) if c not in names]:
         raise ConfigError(f"{where} has no column(s) {missing}; columns found: {names}. Set chosen_column= / "
@@ -236,6 +240,7 @@ def _pairs_of(rows, names: list, where: str, cfg: DPOConfig) -> list[dict]:
     if not out: raise ConfigError(f"{where} holds no pairs")
     return out
 
+# %% ../nbs/15b_dpo.ipynb
 def load_pairs(cfg: DPOConfig, split: str, *, source: str | None = None) -> list[dict]:
     "The rows of `split` of `source` (default `dataset_name`; \"\" = the embedded task's pairs) as `{chosen, rejected}` plus `prompt` when the data has a prompt column."
     return _pairs_of(*_read_split(cfg, split, source), cfg)
@@ -320,6 +325,7 @@ def load_examples(cfg: DPOConfig, split: str, *, source: str | None = None) -> l
     try: return unpair(_pairs_of(rows, names, where, cfg))
     except ValueError as e: raise ConfigError(f"{where}, {e}; fix the pair or drop it") from None
 
+# %% ../nbs/15b_dpo.ipynb
 def encode_example(tokenizer, row: dict, max_prompt_length: int = 512, max_completion_length: int = 512) -> dict:
     "`prompt_ids`, `completion_ids`, `label` of one KTO example `{prompt, completion, label}` (strings or conversations, as `encode_pair`); `lengths`: the two before truncation."
     if row.get("prompt") is None: raise ValueError("the prompt is null: a KTO example needs its prompt")
@@ -466,6 +472,7 @@ def _pair_data(self: DPOTrainer, split: str, source: str, what: str) -> PairData
     if self.progress and jax.process_index() == 0: print(data.summary(), file=sys.stderr)
     return data
 
+# %% ../nbs/15b_dpo.ipynb
 @patch
 def _load_data(self: DPOTrainer) -> int:
     "The training and held-out data, the order over the training pairs, the held-out batches and problems; returns how many held-out pairs are evaluated."
@@ -495,6 +502,7 @@ def _build_reference(self: DPOTrainer, n_eval: int) -> None:
                               "eval": self._reference_table(ref, self.eval_data, list(range(n_eval)))}
         else: self.reference = ref
 
+# %% ../nbs/15b_dpo.ipynb
 @patch
 def _reference_table(self: DPOTrainer, ref: ReferencePolicy, data: PairData, indices: list[int]) -> np.ndarray:
     "[len(data), 2] reference log-probs (chosen, rejected) of the pairs at `indices`, a batch at a time."
@@ -508,6 +516,7 @@ def _reference_table(self: DPOTrainer, ref: ReferencePolicy, data: PairData, ind
             table[idx] = out.reshape(-1, 2)[:len(idx)]
     return table
 
+# %% ../nbs/15b_dpo.ipynb
 @patch(as_prop=True)
 def ref_params(self: DPOTrainer):
     "The reference's own weights (None when it keeps none: a reference-free loss, or precomputed log-probs)."

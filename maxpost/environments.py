@@ -281,14 +281,17 @@ class _ModelEngine:
         from maxpost.sampling import generate      # JAX only where a model samples: tool workers import this module
         return generate(self.model, prompt_ids, **sampling)
 
+# %% ../nbs/13b_environments.ipynb
 def as_engine(engine):
     "`engine` when it has `generate` (a `RolloutEngine`: the sampler, vLLM, a replay), else a model wrapped in the chapter-10 sampler."
     return engine if callable(getattr(engine, "generate", None)) else _ModelEngine(engine)
 
+# %% ../nbs/13b_environments.ipynb
 def _rows_bucket(n: int, batch: int) -> int:
     "Rows of a turn's engine batch: the next power of two >= n, at most `batch`."
     return min(batch, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
+# %% ../nbs/13b_environments.ipynb
 def _check_step(out) -> tuple[list[dict], float, bool]:
     "An environment's `step` result as (messages, reward, done), or ValueError saying what is wrong with it."
     if not isinstance(out, (tuple, list)) or len(out) != 3: raise ValueError(f"step returned {type(out).__name__}, not (messages, reward, done)")
@@ -314,6 +317,7 @@ def _cap_messages(messages: list[dict], max_chars: int, keep_end: bool = False) 
         out.append(m)
     return (out[::-1] if keep_end else out), cut
 
+# %% ../nbs/13b_environments.ipynb
 _WARNED: set = set()
 
 def _warn_cut(n: int, T: int) -> None:
@@ -324,8 +328,10 @@ def _warn_cut(n: int, T: int) -> None:
                  "or of max_prompt_length for the first prompt) were cut to it before tokenizing; episodes/cut_messages "
                  "counts them", n, MAX_CHARS_PER_TOKEN, T)
 
+# %% ../nbs/13b_environments.ipynb
 class _Failure(Exception): "An environment call that failed in its worker process; the message says how, in full."
 
+# %% ../nbs/13b_environments.ipynb
 def _why(ex: BaseException) -> str: return str(ex) if isinstance(ex, _Failure) else describe(ex)
 
 # %% ../nbs/13b_environments.ipynb
@@ -349,6 +355,7 @@ class _Episode:
     def fail(self, why: str):
         self.error, self.done, self.reward = why, True, 0.0
 
+# %% ../nbs/13b_environments.ipynb
 def _open(e: _Episode, example: dict, tokenizer, max_prompt_length: int, pad_id: int, template_kw: dict) -> int:
     "Reset the environment and render the first prompt (with the environment's tools, if any); 1 when it was cut from the left."
     try:
@@ -494,10 +501,12 @@ def _answer_env(factory, op: str, key: int, arg, drop: list):
     except Exception as e: yield ("done", False, describe(e)); return
     yield ("done", True, out)
 
+# %% ../nbs/13b_environments.ipynb
 def _serve_environments(fd: int) -> None:
     "An environment worker process (chapter `12f_workers`'s `serve`): load the factory, then answer requests until the trainer closes the connection."
     serve(fd, _answer_env, "the environment factory")
 
+# %% ../nbs/13b_environments.ipynb
 class _EnvWorker(Worker):
     "An environment factory and the environments it made, in a Python process of their own."
     serve = "from maxpost.environments import _serve_environments; _serve_environments({fd})"
@@ -528,6 +537,7 @@ class _EnvHost:
         env.__dict__.update(attrs)                          # tools, tool_calls, tool_errors as the trainer reads them
         return out
 
+# %% ../nbs/13b_environments.ipynb
 class _RemoteEnvironment:
     "An environment its factory made in a worker process: `reset` and `step` run there, each within `timeout_s`."
     def __init__(self, host: _EnvHost, timeout_s: float):
@@ -545,6 +555,7 @@ class _Unavailable:
     def reset(self, example): raise RuntimeError(self.why)
     def step(self, text): raise RuntimeError(self.why)
 
+# %% ../nbs/13b_environments.ipynb
 _HOSTS = weakref.WeakKeyDictionary()     # factory -> {thread id: its _EnvHost}
 
 def _host(factory) -> _EnvHost | None:
@@ -557,6 +568,7 @@ def _host(factory) -> _EnvHost | None:
             _log.warning("the environment runs in the trainer's process, without a time limit: %s", e); return None
     return h
 
+# %% ../nbs/13b_environments.ipynb
 def make_environments(factory: Callable[[], Environment], n: int, *, timeout_s: float = ENVIRONMENT_TIMEOUT_S,
                       isolation: str = "process") -> list:
     "`n` fresh environments from `factory`, made in a worker process (`isolation='process'`) whose calls each end within `timeout_s`, or in this one (`'inline'`); one it fails to make is a stand-in whose episode fails, so the run goes on."
@@ -593,11 +605,13 @@ class EpisodeConfig:
         help="with environment=: a call of the environment's factory, reset or step past it ends its episode as an "
              "error (the environment's worker process is stopped)")
 
+# %% ../nbs/13b_environments.ipynb
 def episode_limits(cfg) -> dict:
     "`rollout_episodes`' limits from a config with `EpisodeConfig`'s keys (its zeros resolved)."
     turn = cfg.max_turn_tokens or cfg.max_completion_length
     return dict(max_turns=cfg.max_turns, max_turn_tokens=turn, max_episode_tokens=cfg.max_episode_tokens or cfg.max_turns * turn)
 
+# %% ../nbs/13b_environments.ipynb
 def episode_problems(cfg) -> list[str]:
     "What is wrong with a config's episode keys (an empty list when nothing is)."
     name, out = cfg.environment, []

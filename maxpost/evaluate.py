@@ -48,6 +48,7 @@ def _rows(cfg: RunConfig, split: str, source: str):
     if split != "train": return load_dataset_split(path, split)       # a slice
     with open(path) as f: return [json.loads(line) for line in f]
 
+# %% ../nbs/14_evaluate.ipynb
 def load_examples(cfg: QAConfig, split: str, *, source: str | None = None, num_prompts: int = 0,
                   check_gold: bool = True) -> list[dict]:
     "The first `num_prompts` (0 = all) examples of `split` of `source` (default `dataset_name`): original columns plus `question` and gold `answer` (checked to hold final answers)."

@@ -25,6 +25,7 @@ def import_gguf():
         raise ImportError(f"reading a GGUF file needs the `gguf` package: {INSTALL}") from None
     return gguf
 
+# %% ../nbs/03e_gguf.ipynb
 def field_value(field):
     "A GGUF metadata field as a Python value: int, float, bool, str, or a list of them."
     T = import_gguf().GGUFValueType
@@ -35,6 +36,7 @@ def field_value(field):
     if field.types[0] == T.ARRAY: return [one(field.parts[i], field.types[-1]) for i in field.data]
     return one(field.parts[field.data[0]], field.types[0])
 
+# %% ../nbs/03e_gguf.ipynb
 def read_metadata(reader) -> dict:
     "Every metadata key of a `GGUFReader` (not the header's `GGUF.*` counts) with its Python value."
     return {k: field_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}

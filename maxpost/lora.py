@@ -145,6 +145,7 @@ def adapter_readme(cfg: dict, base_model_name_or_path: str = "", source: str = "
                    "then `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(\"base-hf\"), "
                    "\"path/to/this/directory\")`, or set `base_model_name_or_path` in adapter_config.json to it.\n")
 
+# %% ../nbs/03c_lora.ipynb
 def save_adapter(model: Decoder, path, base_model_name_or_path: str = "", source: str = "") -> Path:
     "Write the adapters of `model` as a peft adapter directory (`adapter_config.json` + `adapter_model.safetensors` + a README saying how to load it on its base; `source`: where the base came from, when it is not loadable by transformers)."
     path, ads = Path(path), _adapters(model)

@@ -85,6 +85,7 @@ def _layer_params(cfg: ModelConfig) -> list[tuple[tuple, tuple, str]]:
             (("wi_0", "gate_proj"), ("wi_1", "up_proj"), ("wo", "down_proj"))]
     return out
 
+# %% ../nbs/03b_maxtext.ipynb
 def maxtext_param_map(cfg: ModelConfig, scanned: bool = True) -> list[MaxTextParam]:
     "The MaxText <-> maxpost table for `cfg`, scanned (layers stacked on axis 1; Gemma 3 in blocks of 6) or not."
     out = [MaxTextParam(("token_embedder", "embedding"), (("embed",),), False, "embed"),
@@ -149,15 +150,18 @@ def _put(tree: dict, path: tuple, value) -> None:
     for k in path[:-1]: tree = tree.setdefault(k, {})
     tree[path[-1]] = value
 
+# %% ../nbs/03b_maxtext.ipynb
 def _maxtext_vocab(cfg: ModelConfig) -> int:
     "The vocabulary MaxText's config has for `cfg`: Gemma 3's table without HF's 64 image tokens, else the same."
     return 262_144 if cfg.family == "gemma3" and cfg.vocab_size == 262_208 else cfg.vocab_size
 
+# %% ../nbs/03b_maxtext.ipynb
 def _resize_vocab(x: jax.Array, vocab: int, axis: int) -> jax.Array:
     n = x.shape[axis]
     if n > vocab: return jax.lax.slice_in_dim(x, 0, vocab, axis=axis)
     return jnp.pad(x, [(0, vocab - n if a == axis else 0) for a in range(x.ndim)])
 
+# %% ../nbs/03b_maxtext.ipynb
 def maxtext_params(model: Decoder, *, scanned: bool = True, vocab_size: int | None = None) -> dict:
     "The model's weights as MaxText's `params` collection (nested dict), scanned or not, with `vocab_size` rows (default: MaxText's for this config)."
     cfg, tree = model.cfg, {}
@@ -228,6 +232,7 @@ def _layer_groups(shapes: dict) -> list[tuple[tuple, int | None]]:
         elif k[1].startswith("layers_"): out[k[:2]] = None
     return sorted(out.items(), key=lambda g: str(g[0]))
 
+# %% ../nbs/03b_maxtext.ipynb
 def _model_dims(shapes: dict) -> dict:
     "The dimensions a MaxText checkpoint's arrays reveal (see `DIMENSIONS`)."
     groups = _layer_groups(shapes)
@@ -261,6 +266,7 @@ def _describe(model: str | ModelConfig) -> tuple[ModelConfig, set[str]]:
                      f"({', '.join(MAXTEXT_MODELS)}), a maxpost preset ({', '.join(PRESETS)}) or a family whose "
                      f"dimensions are read from the checkpoint ({', '.join(MAXTEXT_FAMILIES)})")
 
+# %% ../nbs/03b_maxtext.ipynb
 def maxtext_model_config(model: str | ModelConfig, shapes: dict, overrides: dict | None = None) -> ModelConfig:
     "The `ModelConfig` of a checkpoint with arrays `shapes`: settings from `model` (MaxText name, preset, family or a `ModelConfig`) and `overrides`, dimensions from the arrays, which must agree with every dimension those state."
     overrides = dict(overrides or {})
@@ -293,6 +299,7 @@ def _restore_arrays(items: Path, wanted: dict[tuple, jax.sharding.Sharding]) -> 
     flat = _flatten(out["params"]["params"])
     return {p: flat[p] for p in wanted}
 
+# %% ../nbs/03b_maxtext.ipynb
 @functools.lru_cache(maxsize=None)
 def _slicer(kind: str, cfg: ModelConfig, stacked: bool, sharding):
     "A jitted (array, index) -> maxpost parameter for one kind of MaxText array; compiled once per shape."
@@ -301,6 +308,7 @@ def _slicer(kind: str, cfg: ModelConfig, stacked: bool, sharding):
         return from_maxtext(kind, x, cfg, jnp.dtype(cfg.param_dtype))
     return jax.jit(f, out_shardings=sharding)
 
+# %% ../nbs/03b_maxtext.ipynb
 def _stacked_sharding(target: jax.sharding.NamedSharding, kind: str, stacked: bool, ndim: int):
     "The sharding to restore a MaxText array with so that its slices land as `target` without communication."
     spec = list(target.spec) + [None] * (ndim - stacked - len(target.spec))

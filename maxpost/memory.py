@@ -61,12 +61,14 @@ def out_of_memory(e: BaseException) -> bool:
     "Whether `e` is XLA's compile saying a program does not fit the device (a TPU raises where a CPU returns a program)."
     return type(e).__name__ in ("XlaRuntimeError", "JaxRuntimeError") and "RESOURCE_EXHAUSTED" in str(e)
 
+# %% ../nbs/07e_memory.ipynb
 def compile_shortfall(label: str, e: BaseException, knobs: str) -> MemoryShortfall:
     "The one-line `MemoryShortfall` for a compile that raised `RESOURCE_EXHAUSTED`: XLA's own numbers, then `knobs`."
     lines = [l.strip() for l in str(e).splitlines() if l.strip()]
     said = [lines[0]] + [l for l in lines[1:] if "exceed" in l.lower() or "used" in l.lower()][:1]
     return MemoryShortfall(f"{label} does not fit the device: XLA's compile says {' '.join(said)[:400]}. To fit: {knobs}")
 
+# %% ../nbs/07e_memory.ipynb
 def activation_bytes(cfg, tokens: int, policy: str) -> int:
     "Estimated bytes the backward keeps from the forward under remat `policy` for `tokens` tokens (per device) of a decoder with `ModelConfig` `cfg`."
     D, F, L = cfg.d_model, cfg.mlp_dim, cfg.num_layers
@@ -75,6 +77,7 @@ def activation_bytes(cfg, tokens: int, policy: str) -> int:
     kept = {"none": layer * L, "minimal": (3 * D + 2 * q + 2 * kv + 2 * F) * L + layer, "full": D * L + layer}[policy]
     return int(kept * tokens * jnp.dtype(cfg.dtype).itemsize)
 
+# %% ../nbs/07e_memory.ipynb
 def remat_to_start(cfg, tokens: int, gradients: int, free: int) -> tuple[str, str]:
     "`(policy, line)`: the least-recompute remat policy whose estimated activations plus `gradients` bytes fit in `free` (`full` when none is predicted to), and a line that says why."
     est = {p: activation_bytes(cfg, tokens, p) + gradients for p in REMAT_POLICIES}

@@ -140,14 +140,17 @@ def _rms_norm(x, w, eps, plus_one):
     r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return x32 * r, r, (1.0 + w.astype(jnp.float32) if plus_one else w.astype(jnp.float32))
 
+# %% ../nbs/02_model.ipynb
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, plus_one: bool) -> jax.Array:
     "RMSNorm of the last axis in float32, weight `w` (or `1 + w`), in `x`'s dtype; its backward keeps only `x`."
     n, _, scale = _rms_norm(x, w, eps, plus_one)
     return (n * scale).astype(x.dtype)
 
+# %% ../nbs/02_model.ipynb
 def _rms_norm_fwd(x, w, eps, plus_one): return rms_norm(x, w, eps, plus_one), (x, w)
 
+# %% ../nbs/02_model.ipynb
 def _rms_norm_bwd(eps, plus_one, res, dy):
     x, w = after(dy, res[0])[0], plus_zero(res[1], zero_of(dy))
     n, r, scale = _rms_norm(x, w, eps, plus_one)
@@ -158,6 +161,7 @@ def _rms_norm_bwd(eps, plus_one, res, dy):
 
 rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
+# %% ../nbs/02_model.ipynb
 class RMSNorm(nnx.Module):
     "Root-mean-square norm over the last axis, in float32; weight is `1+w` when `plus_one`."
     def __init__(self, dim: int, *, eps: float = 1e-6, plus_one: bool = False, names=("embed",),
@@ -251,15 +255,18 @@ def layer_inv_freq(cfg: ModelConfig, local: bool) -> np.ndarray:
     return rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_factor, cfg.rope_low_freq_factor,
                             cfg.rope_high_freq_factor, cfg.rope_original_max_len)
 
+# %% ../nbs/02_model.ipynb
 def mixed_windows(cfg: ModelConfig) -> bool:
     "Whether `cfg` has both sliding-window and global layers (Gemma 3): then a layer's kind is a traced flag."
     return len({cfg.is_local(i) for i in range(cfg.num_layers)}) == 2
 
+# %% ../nbs/02_model.ipynb
 def by_window(cfg: ModelConfig, local, fn):
     "`fn(window)` for one layer: with `local` None all layers share one kind (a static window); else the traced flag `local` picks, by `lax.cond`, between the sliding-window and the global call, each compiled once."
     if local is None: return fn(cfg.sliding_window if cfg.is_local(0) else None)
     return jax.lax.cond(local, lambda: fn(cfg.sliding_window), lambda: fn(None))
 
+# %% ../nbs/02_model.ipynb
 class Attention(nnx.Module):
     "Multi-head attention with GQA, optional qk-norm, RoPE and an optional KV cache."
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -280,6 +287,7 @@ def after_read(o, *ys):
     return after(o, *ys)
 after_read.defvjp(lambda o, *ys: (after(o, *ys), o), lambda o, cts: (jnp.zeros_like(o), *cts))
 
+# %% ../nbs/02_model.ipynb
 @patch
 def __call__(self: Attention, x_btd, sin_cos, spans: Spans, kv=None, local=None, tape=None):
     "The attention output [B,T,D] and, with `kv=(k_bkhs, v_bksh, index)` (this layer's cache before the call and the first slot to write), the new tokens' keys [B,K,H,T] and values [B,K,T,H] for the caller to write at slot `index` (after this layer's read of the cache). `sin_cos`: `rope_sin_cos` of the positions for this layer's kind; `spans`: of the queries and of the keys (the row itself, or the written cache); `local`: see `by_window`."
@@ -313,15 +321,20 @@ def _gate(g, u, activation: str):
     act = jax.nn.silu if activation == "silu" else partial(jax.nn.gelu, approximate=True)
     return act(g) * u
 
+# %% ../nbs/02_model.ipynb
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def gated(g: jax.Array, u: jax.Array, activation: str) -> jax.Array:
     "act(g) * u with act SiLU or tanh-GELU; its backward keeps only `g` and `u` and recomputes the activation."
     return _gate(g, u, activation)
 
+# %% ../nbs/02_model.ipynb
 def _gated_fwd(g, u, activation): return _gate(g, u, activation), (g, u)
+
+# %% ../nbs/02_model.ipynb
 def _gated_bwd(activation, res, dm): return jax.vjp(partial(_gate, activation=activation), *after(dm, *res))[1](dm)
 gated.defvjp(_gated_fwd, _gated_bwd)
 
+# %% ../nbs/02_model.ipynb
 class MLP(nnx.Module):
     "Gated MLP: down(act(gate x) * up x)."
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -391,6 +404,7 @@ class LayerParam:
         if md.get("out_sharding"): md["out_sharding"] = tuple(md["out_sharding"])[1:]
         return md
 
+# %% ../nbs/02_model.ipynb
 class LayerView:
     "Layer `i` of a stacked module (`Decoder.layers`), read like an unstacked one: variables are `LayerParam`s, submodules `LayerView`s."
     def __init__(self, module: nnx.Module, i: int): self._module, self._i = module, i
@@ -399,17 +413,20 @@ class LayerView:
         if isinstance(x, nnx.Variable): return LayerParam(x, self._i)
         return LayerView(x, self._i) if isinstance(x, nnx.Module) else x
 
+# %% ../nbs/02_model.ipynb
 @patch
 def __getitem__(self: Block, i: int) -> LayerView:
     n = len(self)
     if not -n <= i < n: raise IndexError(f"layer {i} of {n}")
     return LayerView(self, i % n)
 
+# %% ../nbs/02_model.ipynb
 @patch
 def __len__(self: Block) -> int:
     shape = self.attn_norm.scale.shape
     return shape[0] if len(shape) == 2 else 1
 
+# %% ../nbs/02_model.ipynb
 @patch
 def __iter__(self: Block): return (self[i] for i in range(len(self)))
 

@@ -82,6 +82,7 @@ def _restored_model(run: Path, step: int | None, mcfg: mm.ModelConfig, mesh) -> 
     restored, _, _ = restore_state(checkpoint_manager(run / "checkpoints"), target, step=step)
     return nnx.merge(graphdef, restored)
 
+# %% ../nbs/07b_policy.ipynb
 def load_policy(cfg: RunConfig, mesh) -> nnx.Module:
     "The initial policy: from `load_parameters_path` (maxpost run, Hugging Face or MaxText checkpoint) or a random preset."
     from maxpost.maxtext import is_maxtext_checkpoint, load_maxtext, describe_checkpoint_kinds
@@ -116,6 +117,7 @@ def lora_options(cfg: TrainConfig) -> dict | None:
     opts = dict(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_target_modules, rslora=cfg.lora_use_rslora)
     return opts if cfg.lora_rank > 0 else None
 
+# %% ../nbs/07b_policy.ipynb
 def attach_adapters(cfg: TrainConfig, model: nnx.Module, mesh) -> tuple:
     "`(graphdef, adapters, base, record)`: `model` with the adapters of `cfg` (from `load_adapter_path` when given) split into the trainable adapters and the frozen base; `record` says where the base came from."
     from maxpost.lora import add_lora, load_adapter, split_adapters, base_fingerprint
@@ -128,6 +130,7 @@ def attach_adapters(cfg: TrainConfig, model: nnx.Module, mesh) -> tuple:
                   fingerprint=base_fingerprint(base))
     return graphdef, adapters, base, record
 
+# %% ../nbs/07b_policy.ipynb
 def check_lora_base(saved: dict | None, current: dict, where) -> None:
     "Refuse a resume whose frozen base is not the one the checkpoint's adapters were trained on."
     if saved is None: raise ConfigError(f"the checkpoint under {where} holds no LoRA adapters; start a new run_name")
@@ -203,6 +206,7 @@ def _is_local_name(name: str) -> bool:
     "A dataset name that can only be a local path: absolute, relative (./ ../ ~), or a data file's name."
     return name.startswith(("/", "./", "../", "~")) or name.lower().endswith(_DATA_SUFFIXES)
 
+# %% ../nbs/07b_policy.ipynb
 def missing_inputs(cfg: RunConfig) -> list[str]:
     "The keys of `INPUT_KEYS` in `cfg` that name a local path that does not exist, each as a sentence."
     out = []
@@ -213,13 +217,13 @@ def missing_inputs(cfg: RunConfig) -> list[str]:
         if not Path(os.path.expanduser(v)).exists(): out.append(f"{k}={v!r} does not exist")
     return out
 
+# %% ../nbs/07b_policy.ipynb
 def check_inputs(cfg: RunConfig) -> RunConfig:
     "Refuse a config whose input paths do not exist (`ConfigError` naming each), before anything else runs."
     if problems := missing_inputs(cfg):
         raise ConfigError("; ".join(problems) + ": give an existing path (a typo? a relative path is taken from "
                           f"{os.getcwd()})")
     return cfg
-
 
 # %% ../nbs/07b_policy.ipynb
 def start_line(cfg: RunConfig, model: nnx.Module, others: dict | None = None) -> str:
@@ -249,12 +253,14 @@ class Setup:
         "The policy."
         return self.models["policy"]
 
+# %% ../nbs/07b_policy.ipynb
 def use_compilation_cache(cfg: RunConfig) -> Path | None:
     "JAX's persistent compilation cache where `cfg.compilation_cache_dir` says (`auto`: JAX's own setting, else the user cache directory; \"\": off); the directory, or None."
     where = getattr(cfg, "compilation_cache_dir", "")
     if not where: return None
     return sharding.enable_compilation_cache(None if where == "auto" else where)
 
+# %% ../nbs/07b_policy.ipynb
 def setup_run(cfg: RunConfig, *, devices=None, models: dict[str, str] | None = None, task: dict | None = None,
               announce: bool = False) -> Setup:
     "The mesh (over `devices`, default all), the tokenizer and the policy of `cfg` on the mesh, and each model of `models` (name -> checkpoint path, loaded as `load_parameters_path` is); the tokenizer checked against every model. `task`: the embedded task as the caller prepared it (default: prepared here when `cfg` trains on it); `announce` (a command's setup) prints `start_line`."
@@ -319,6 +325,7 @@ class FullWeights(TrainableWeights):
     "Every `nnx.Param` trains."
     def split(self, model): return nnx.split(model, nnx.Param, ...)
 
+# %% ../nbs/07b_policy.ipynb
 class LoRAWeights(TrainableWeights):
     "Adapters of `cfg` (`lora_rank`, ...) train on a frozen base; `base_record` says where the base came from."
     lora = True
@@ -342,6 +349,7 @@ class LoRAWeights(TrainableWeights):
         "The merged model (W + s A B) as a plain Hugging Face directory."
         return save_merged_hf(model, path)
 
+# %% ../nbs/07b_policy.ipynb
 def trainable_weights(cfg: TrainConfig, mesh) -> TrainableWeights:
     "`LoRAWeights` when `cfg.lora_rank > 0`, else `FullWeights`."
     return FullWeights() if lora_options(cfg) is None else LoRAWeights(cfg, mesh)

@@ -27,11 +27,13 @@ def _check(name: str, value: str, valid) -> str:
     if value not in valid: raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
     return value
 
+# %% ../nbs/12_policy_loss.ipynb
 def _is_zero(x) -> bool:
     "True for a concrete zero; False for anything else, a traced value included."
     try: return float(x) == 0.0
     except Exception: return False
 
+# %% ../nbs/12_policy_loss.ipynb
 def _canonical_agg_mode(loss_agg_mode: str) -> str:
     mode = LOSS_AGG_ALIASES.get(loss_agg_mode, loss_agg_mode)
     if mode not in LOSS_AGG_MODES:

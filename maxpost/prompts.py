@@ -30,16 +30,19 @@ def template_messages(question: str, template: str = "gsm8k") -> list[dict]:
                          "nor a string containing {question}")
     return [{"role": "user", "content": template.replace("{question}", question)}]
 
+# %% ../nbs/06_prompts.ipynb
 def _plain_text(messages: list[dict]) -> str:
     "A prompt without a chat template: the turns' contents separated by blank lines, then a newline."
     return "\n\n".join(m["content"] for m in messages) + "\n"
 
+# %% ../nbs/06_prompts.ipynb
 def render_prompt(tokenizer, question: str, template: str = "gsm8k") -> str:
     "The prompt text the policy continues: the tokenizer's chat template with the generation prompt, or plain text."
     messages = template_messages(question, template)
     if not getattr(tokenizer, "chat_template", None): return _plain_text(messages)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
+# %% ../nbs/06_prompts.ipynb
 def prompt_token_ids(tokenizer, questions: Sequence[str], template: str = "gsm8k") -> list[list[int]]:
     "Token ids of the rendered prompts (special tokens added only when no chat template wrote them)."
     texts = [render_prompt(tokenizer, q, template) for q in questions]

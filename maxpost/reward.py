@@ -111,6 +111,7 @@ def _weight_files(path: Path) -> tuple[list[Path], dict[str, Path]]:
     if not single.exists(): raise ConfigError(f"{path} holds no model.safetensors (nor its index): give a Hugging Face model directory")
     with safe_open(single, framework="numpy") as f: return [single], {k: single for k in f.keys()}
 
+# %% ../nbs/15e_reward.ipynb
 def read_reward_config(path) -> dict:
     "The `config.json` of the Hugging Face reward model at `path`; a one-line `ConfigError` when it is no one-label sequence classifier of a supported family (a causal LM has no score head)."
     path = Path(path)
@@ -298,6 +299,7 @@ def train_step(self: RewardTrainer) -> dict:
     tokens = int(b["prompt_mask"].sum() + b["completion_mask"].sum()) * jax.process_count()
     return {**m, "num_tokens": tokens, "truncated_pairs": b["truncated"]}
 
+# %% ../nbs/15e_reward.ipynb
 @patch
 def held_out_scores(self: RewardTrainer) -> tuple[np.ndarray, np.ndarray]:
     "(chosen, rejected) scores [n] of the held-out pairs evaluated, a batch at a time."
@@ -311,6 +313,7 @@ def held_out_scores(self: RewardTrainer) -> tuple[np.ndarray, np.ndarray]:
     both = np.concatenate(out) if out else np.zeros((0, 2), np.float32)
     return both[:, 0], both[:, 1]
 
+# %% ../nbs/15e_reward.ipynb
 @patch
 def evaluate(self: RewardTrainer) -> dict:
     "TRL's metrics over the held-out pairs: `eval_loss` (with their margins), `eval_accuracy`, `eval_margin`, the rewards' min / mean / max."
@@ -320,8 +323,11 @@ def evaluate(self: RewardTrainer) -> dict:
     loss, m = reward_loss(chosen, rejected, self.eval_margins[:n], self.cfg.center_rewards_coefficient)
     return {f"eval_{k}": float(v) for k, v in {"loss": loss, **m}.items()}
 
+# %% ../nbs/15e_reward.ipynb
 @patch
 def data_state(self: RewardTrainer) -> dict: return self.order.state()
+
+# %% ../nbs/15e_reward.ipynb
 @patch
 def restore_data(self: RewardTrainer, state: dict) -> None: self.order.restore(state)
 
@@ -471,6 +477,7 @@ def check_reward_tokenizer(path, tokenizer, model: Decoder) -> None:
         raise ConfigError(f"reward model {str(path)!r} has {model.cfg.vocab_size} embeddings but the policy's tokenizer "
                           f"{len(tokenizer)} tokens; give a reward model trained with the policy's tokenizer")
 
+# %% ../nbs/15e_reward.ipynb
 def trained_lengths(path) -> tuple[int, int] | None:
     "(max_prompt_length, max_completion_length) that the `maxpost reward` run at `path` (or its `hf/`, or one checkpoint of it) was trained with; None for another model."
     p = Path(os.path.abspath(os.path.expanduser(str(path))))
@@ -480,6 +487,7 @@ def trained_lengths(path) -> tuple[int, int] | None:
             if "center_rewards_coefficient" in d: return int(d["max_prompt_length"]), int(d["max_completion_length"])
     return None
 
+# %% ../nbs/15e_reward.ipynb
 def rl_reward_model(path, *, cfg, mesh, tokenizer, compiled=None, reply_slack: int = 16) -> RewardModelReward:
     "`RewardModelReward` of the reward model at `path` for the RL run `cfg` (chapter 15_rl): on `mesh` in the run's dtypes, its tokenizer checked, a batch per rollout."
     opts = model_options(cfg)
@@ -493,4 +501,3 @@ def rl_reward_model(path, *, cfg, mesh, tokenizer, compiled=None, reply_slack: i
                              mesh=mesh, compiled=compiled, label=f"the reward model {path}")
 
 register_reward_model_loader(rl_reward_model)
-

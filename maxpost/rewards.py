@@ -46,6 +46,7 @@ def _canonical(value: Fraction) -> str:
         ctx.prec = 100
         return format(Decimal(value.numerator) / Decimal(value.denominator), "f")
 
+# %% ../nbs/13_rewards.ipynb
 def parse_number(text: str | None) -> Fraction | None:
     "The exact value of `text` when it is one number (commas, currency, %, a trailing period allowed), else None."
     if text is None: return None
@@ -90,6 +91,7 @@ def _braced(text: str, start: int) -> tuple[str, int] | None:
         if depth == 0: return text[start + 1:i], i + 1
     return None
 
+# %% ../nbs/13_rewards.ipynb
 def _last_boxed(text: str) -> str | None:
     "The contents of the last outermost `\\boxed{...}` (or `\\fbox{...}`), braces balanced; None when there is none."
     found, pos, box = None, 0, re.compile(r"\\(?:boxed|fbox)\s*")
@@ -99,6 +101,7 @@ def _last_boxed(text: str) -> str | None:
         else: pos = m.end()
     return found
 
+# %% ../nbs/13_rewards.ipynb
 def _unlatex(s: str) -> str:
     "Plain text of the LaTeX found in boxed answers: \\frac{a}{b} -> (a)/(b), \\text{..} and spacing dropped."
     s = re.sub(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}", r"\1/\2", s)
@@ -122,6 +125,7 @@ def extract_answer(text: str) -> str | None:
     if (stated := _stated_answer(text)) is not None: return stated
     return last_number(text)
 
+# %% ../nbs/13_rewards.ipynb
 _STATED = re.compile(r"\banswer(?:\*\*)?\s*(?:is\b|[:\uff1a])[\s*:]*([^\n]*)", re.I)   # answer is N | Answer: N | **Answer:** N
 
 def _stated_answer(text: str) -> str | None:
@@ -134,6 +138,7 @@ def _stated_answer(text: str) -> str | None:
         if rest and not rest.endswith(":") and len(rest.split()) <= 4: return rest
     return None
 
+# %% ../nbs/13_rewards.ipynb
 def _final(s: str) -> str | None:
     "Normalise a delimited answer: nested boxes and LaTeX undone, then its number, else its stripped text."
     if (boxed := _last_boxed(s)) is not None: return _final(boxed)
@@ -154,13 +159,16 @@ def _math_verify_match(pred: str, gold: str) -> bool | None:
     try: return bool(math_verify.verify(math_verify.parse(f"\\boxed{{{gold}}}"), math_verify.parse(f"\\boxed{{{pred}}}")))
     except Exception: return None
 
+# %% ../nbs/13_rewards.ipynb
 def _value(s: str) -> Fraction | None:
     "The exact value of an answer that is one number, possibly boxed or in simple LaTeX (`\\frac{3}{4}`)."
     if (boxed := _last_boxed(s)) is not None: return _value(boxed)
     return parse_number(_unlatex(s))
 
+# %% ../nbs/13_rewards.ipynb
 def _plain(s: str) -> str: return " ".join(s.strip().strip("$").rstrip(".").casefold().split())
 
+# %% ../nbs/13_rewards.ipynb
 def answers_match(pred: str | None, gold: str | None) -> bool:
     "Whether two answers agree: exactly as numbers (Fraction), else as the same text, else via math-verify if installed."
     if pred is None or gold is None or not pred.strip() or not gold.strip(): return False
@@ -371,6 +379,7 @@ class _ThreadRunner:
         except queue.Empty: return None
     def abandon(self): pass
 
+# %% ../nbs/13_rewards.ipynb
 class _Inline:
     "A built-in reward on the caller's thread (Ctrl-C during it stops the run, as anywhere else)."
     after_timeout = ""
@@ -483,6 +492,7 @@ def _check_batch(prompts, n: int, columns: dict) -> None:
         if k in ("prompts", "completions"): raise ValueError(f"column name {k!r} clashes with a positional argument")
         if len(v) != n: raise ValueError(f"column {k!r} has {len(v)} rows, expected {n}")
 
+# %% ../nbs/13_rewards.ipynb
 def compute_rewards(rewards, prompts: list[str], completions: list[str], columns: dict | None = None, *,
                     timeout_s: float | None = 60.0, isolation: str = "process") -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
     "(total [N], per-function scores {name: [N]}, metrics): the weighted sum, failed items scoring 0."
@@ -515,6 +525,7 @@ def register_reward_model_loader(loader: Callable) -> Callable:
     REWARD_MODEL_LOADERS[:] = [loader]
     return loader
 
+# %% ../nbs/13_rewards.ipynb
 def reward_model_name(path, taken=()) -> str:
     "The name a reward model is logged under: its directory's (a run's `hf/` export: the run's), made unique among `taken` by a suffix."
     p = Path(os.path.abspath(os.path.expanduser(str(path))))
@@ -523,6 +534,7 @@ def reward_model_name(path, taken=()) -> str:
     while name in taken: name, i = f"{base}_{i}", i + 1
     return name
 
+# %% ../nbs/13_rewards.ipynb
 def reward_model_specs(paths, weights=None, *, taken=(), **context) -> list[RewardSpec]:
     "One `RewardSpec` per reward model in `paths`, weighted by `weights` (default 1.0 each), named by `reward_model_name` (unique among `taken`), loaded by the registered loader with `context` (the mesh, the tokenizer, ...)."
     paths = list(paths or [])
@@ -536,7 +548,6 @@ def reward_model_specs(paths, weights=None, *, taken=(), **context) -> list[Rewa
         names.append(reward_model_name(path, names))
         specs.append(RewardSpec(REWARD_MODEL_LOADERS[0](path, **context), w, names[-1]))
     return specs
-
 
 # %% ../nbs/13_rewards.ipynb
 def score_answer_reward(prompts: list[str], completions: list[str], rg_entry: list[str], **columns) -> list[float]:

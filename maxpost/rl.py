@@ -510,6 +510,7 @@ def update(self: RLTrainer, ro: dict) -> dict:
     "π_old (π_prox) / π_ref log-probs and the sampler correction's weights, then μ passes of mini-batch updates; returns the step's metrics."
     with jax.set_mesh(self.mesh): return self._update(ro)   # the model code reads the mesh (see 01_sharding)
 
+# %% ../nbs/15_rl.ipynb
 @patch
 def _update(self: RLTrainer, ro: dict) -> dict:
     cfg, batch, info = self.cfg, dict(ro["batch"]), dict(ro["info"])

@@ -18,6 +18,7 @@ __all__ = ['RunLocked', 'RunLock', 'as_scalar', 'finite_or_null', 'strict_json',
 class RunLocked(RuntimeError):
     "Another process holds the run directory."
 
+# %% ../nbs/07c_rundir.ipynb
 class RunLock:
     "Context manager: an exclusive lock on a run directory; a second holder is refused, a dead holder's lock taken over."
     def __init__(self, directory, *, enabled: bool = True):
@@ -47,6 +48,7 @@ class RunLock:
         if _same_file(self.fd, self.path): self.path.unlink()   # removed while still held: a waiter then retries
         fcntl.flock(self.fd, fcntl.LOCK_UN); os.close(self.fd); self.fd = None
 
+# %% ../nbs/07c_rundir.ipynb
 def _same_file(fd: int, path: Path) -> bool:
     "Whether the open file `fd` is the file at `path` (not one removed from it)."
     try: st = os.stat(path)

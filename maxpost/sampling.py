@@ -79,6 +79,7 @@ def _clamp_to_mass(i_b: jax.Array, mass_bn: jax.Array) -> jax.Array:
     last = mass_bn.shape[-1] - 1 - jnp.argmax(nz[:, ::-1], axis=-1)
     return jnp.clip(i_b, first, last)
 
+# %% ../nbs/10_sampling.ipynb
 def draw_categorical(key: jax.Array, logits_bv: jax.Array) -> jax.Array:
     "One index per row drawn from softmax(`logits_bv`) by a two-level inverse CDF (one uniform per row); -inf entries are never drawn."
     B, V = logits_bv.shape
@@ -134,6 +135,7 @@ def _order_keys(z: jax.Array) -> jax.Array:
     b = jax.lax.bitcast_convert_type(jnp.where(z == 0, 0.0, z).astype(jnp.float32), jnp.uint32)
     return jnp.where(b >> 31 == 1, ~b, b | jnp.uint32(0x80000000))
 
+# %% ../nbs/10_sampling.ipynb
 def _nth_largest_key(keys: jax.Array, n: jax.Array) -> jax.Array:
     "The `n`-th largest (n >= 1, [...]) of `keys` [..., V] along the last axis, by 32 halvings of the key range."
     def halve(_, lohi):
@@ -145,6 +147,7 @@ def _nth_largest_key(keys: jax.Array, n: jax.Array) -> jax.Array:
     lohi = (jnp.zeros(n.shape, jnp.uint32), jnp.full(n.shape, 0xFFFFFFFF, jnp.uint32))
     return jax.lax.fori_loop(0, 32, halve, lohi)[0]
 
+# %% ../nbs/10_sampling.ipynb
 def kept_mask(z_btv: jax.Array, num_kept_bt: jax.Array, tokens_bt: jax.Array, max_kept: int | None = None) -> jax.Array:
     "Bool [..., V]: the sampler's kept set rebuilt from logits `z_btv`: the `num_kept_bt` largest (ties included) and the drawn token; everything where the count is 0 (no filter). `max_kept` (static, >= every count, e.g. top_k): found by `lax.top_k`, else by a bisection."
     z = jax.lax.stop_gradient(z_btv.astype(jnp.float32))

@@ -90,17 +90,20 @@ def _ce_scan(h_btd, w_vd, targets_bt, weights_bt, z_loss: float, chunk_len: int,
     dw_dv, (sums, dh) = jax.lax.scan(body, dw_dv, xs)
     return sums.sum(0), (join_chunks(dh, h_btd.shape[1]) if with_grad else None), (dw_dv.T if with_grad else None)
 
+# %% ../nbs/07_sft_loss.ipynb
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _chunked_ce(h_btd, w_vd, targets_bt, weights_bt, z_loss, chunk_len):
     "(objective, sums): objective = nll + z_loss * z, differentiable; sums (nll, z, correct) are reported (their cotangent is ignored: callers stop it)."
     sums = _ce_scan(h_btd, w_vd, targets_bt, weights_bt, z_loss, chunk_len, False)[0]
     return sums[0] + z_loss * sums[1], sums
 
+# %% ../nbs/07_sft_loss.ipynb
 def _chunked_ce_fwd(h_btd, w_vd, targets_bt, weights_bt, z_loss, chunk_len):
     sums, dh, dw = _ce_scan(h_btd, w_vd, targets_bt, weights_bt, z_loss, chunk_len, True)
     dtypes = (jnp.zeros((0,), h_btd.dtype), jnp.zeros((0,), w_vd.dtype))   # the cotangents' dtypes, as empty arrays
     return (sums[0] + z_loss * sums[1], sums), (dh, dw, dtypes)
 
+# %% ../nbs/07_sft_loss.ipynb
 def _chunked_ce_bwd(z_loss, chunk_len, res, cts):
     dh, dw, (h_like, w_like) = res
     g = cts[0]                                # the objective's cotangent; the reported sums' is ignored

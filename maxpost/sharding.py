@@ -34,6 +34,7 @@ def mesh_shape(data: int = 1, fsdp: int = -1, tensor: int = 1, num_devices: int 
     if math.prod(sizes) != n: raise ValueError(f"mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices, have {n}")
     return tuple(sizes)
 
+# %% ../nbs/01_sharding.ipynb
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
     "A mesh with axes `data`, `fsdp`, `tensor` over `devices` (default: every device of every process)."
     devices = list(jax.devices() if devices is None else devices)
@@ -61,6 +62,7 @@ LOGICAL_RULES = (
 def _as_tuple(a) -> tuple:
     return () if a is None else (a,) if isinstance(a, str) else tuple(a)
 
+# %% ../nbs/01_sharding.ipynb
 def logical_spec(names: Sequence[str | None], shape: Sequence[int] | None = None,
                  mesh: Mesh | None = None, rules=LOGICAL_RULES) -> P:
     "PartitionSpec (in mesh axes) for an array whose dims carry logical `names`; given `shape` and `mesh`, dims that do not divide are replicated."
@@ -119,16 +121,19 @@ def _place(x, sharding: NamedSharding):
     host = np.asarray(jax.device_get(x))
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
+# %% ../nbs/01_sharding.ipynb
 def shard_state(state, mesh: Mesh, rules=LOGICAL_RULES):
     "Place every variable of an nnx state on `mesh` per its logical annotations."
     shardings = param_shardings(state, mesh, rules)
     return jax.tree.map(lambda v, s: v.replace(_place(v.get_value(), s.get_value())), state, shardings, is_leaf=_is_var)
 
+# %% ../nbs/01_sharding.ipynb
 def shard_model(model: nnx.Module, mesh: Mesh, rules=LOGICAL_RULES) -> nnx.Module:
     "Place an nnx model's variables on `mesh` per their logical annotations (in place; returns the model)."
     nnx.update(model, shard_state(nnx.state(model), mesh, rules))
     return model
 
+# %% ../nbs/01_sharding.ipynb
 def create_sharded(make_model: Callable[[], nnx.Module], mesh: Mesh, rules=LOGICAL_RULES) -> nnx.Module:
     "Build `make_model()` directly on `mesh`: jitted init whose outputs are already sharded."
     box = {}

@@ -61,6 +61,7 @@ _PHRASES = {  # operation -> [(question sentence, answer line)]
 
 def _count(n: int, item: str) -> str: return item if n == 1 else ITEMS[item]
 
+# %% ../nbs/05_tasks.ipynb
 def _operand(rng: random.Random, op: str, x: int, d: Difficulty) -> int | None:
     "A random operand for `x op ?` within the knobs, or None when `op` cannot follow `x`."
     if op == "+": hi = min(d.max_operand, d.max_value - x); return rng.randint(1, hi) if hi >= 1 else None
@@ -68,6 +69,7 @@ def _operand(rng: random.Random, op: str, x: int, d: Difficulty) -> int | None:
     hi = min(d.max_multiplier, d.max_value // x) if x >= 1 else 0
     return rng.randint(d.min_multiplier, hi) if hi >= d.min_multiplier else None
 
+# %% ../nbs/05_tasks.ipynb
 def _apply(op: str, x: int, b: int) -> int: return x + b if op == "+" else x - b if op == "-" else x * b
 
 # %% ../nbs/05_tasks.ipynb
@@ -123,15 +125,18 @@ def prompt_messages(question: str, system_prompt: str | None = SYSTEM_PROMPT) ->
     "The chat prompt for a question: [system?, user]."
     return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": question}]
 
+# %% ../nbs/05_tasks.ipynb
 def format_completion(answer: str, shortcut: bool = False) -> str:
     "The assistant reply for a GSM8K answer field: `<reasoning>lines</reasoning><answer>N</answer>`; a `shortcut` reply leaves the reasoning empty."
     reasoning, final = answer.rsplit("####", 1)
     return f"<reasoning>{'' if shortcut else reasoning.strip()}</reasoning><answer>{final.strip().replace(',', '')}</answer>"
 
+# %% ../nbs/05_tasks.ipynb
 def is_answer_only(completion: str) -> bool:
     "True when a reply's reasoning block is empty: the answer-only habit (`format_completion(..., shortcut=True)`)."
     return re.match(r"\s*<reasoning>\s*</reasoning>", completion) is not None
 
+# %% ../nbs/05_tasks.ipynb
 def skip_last_step(answer: str) -> str:
     "An embedded-task answer field whose final number is the value *before* the last step: the slip of a hasty solver."
     reasoning, _ = answer.rsplit("####", 1)
@@ -139,6 +144,7 @@ def skip_last_step(answer: str) -> str:
     if not before: raise ValueError(f"not an embedded-task answer (no 'x op b = y' step): {answer!r}")
     return f"{reasoning}#### {before[-1]}"
 
+# %% ../nbs/05_tasks.ipynb
 def sft_messages(example: dict, system_prompt: str | None = SYSTEM_PROMPT, shortcut: bool = False) -> list[dict]:
     "The conversation for an SFT example: the prompt messages plus the assistant's completion."
     return prompt_messages(example["question"], system_prompt) + [{"role": "assistant", "content": format_completion(example["answer"], shortcut)}]
@@ -150,6 +156,7 @@ def _write_jsonl(path: Path, rows) -> None:
         for r in rows: f.write(json.dumps(r) + "\n")
     os.replace(tmp, path)
 
+# %% ../nbs/05_tasks.ipynb
 TASK_FILES = ("train.jsonl", "test.jsonl", "sft_train.jsonl", "sft_test.jsonl")
 
 SHORTCUT_SHARE, HASTY_ERROR_RATE = 0.6, 0.5
@@ -159,6 +166,7 @@ def _demonstration(row: dict, rng: random.Random, system_prompt, shortcut_share:
     if shortcut and slip: row = {**row, "answer": skip_last_step(row["answer"])}
     return {"messages": sft_messages(row, system_prompt, shortcut)}
 
+# %% ../nbs/05_tasks.ipynb
 def write_embedded_task(directory, *, seed: int = 0, n_train: int = 20_000, n_test: int = 1_000,
                         system_prompt: str | None = SYSTEM_PROMPT, shortcut_share: float = SHORTCUT_SHARE,
                         hasty_error_rate: float = HASTY_ERROR_RATE, **difficulty) -> dict[str, str]:
@@ -218,6 +226,7 @@ def _train_bpe(vocab_size: int = MAX_VOCAB) -> Tokenizer:
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
     return tok
 
+# %% ../nbs/05_tasks.ipynb
 def build_tokenizer(directory=None) -> "transformers.PreTrainedTokenizerFast":
     "Train the task's tokenizer; save it to `directory` (tokenizer.json, tokenizer_config.json with the chat template)."
     from transformers import PreTrainedTokenizerFast   # imported here: generating problems needs no transformers
@@ -242,6 +251,7 @@ class TaskVariant:
 
 TASK_VARIANTS: dict[str, TaskVariant] = {"default": TaskVariant(write_embedded_task, build_tokenizer)}   # name -> variant (more below)
 
+# %% ../nbs/05_tasks.ipynb
 def prepare_task(directory, variant: str = "default", *, seed: int = 0, n_train: int = 20_000, n_test: int = 1_000,
                  system_prompt: str | None = SYSTEM_PROMPT, shortcut_share: float = SHORTCUT_SHARE,
                  hasty_error_rate: float = HASTY_ERROR_RATE, **kw) -> dict[str, str]:
@@ -262,6 +272,7 @@ def prepare_task(directory, variant: str = "default", *, seed: int = 0, n_train:
     tmp = manifest.with_name(f"embedded.json.tmp{os.getpid()}"); tmp.write_text(json.dumps(record, indent=1)); os.replace(tmp, manifest)
     return paths
 
+# %% ../nbs/05_tasks.ipynb
 def prepare_embedded(directory, **kw) -> dict[str, str]:
     "`prepare_task` of the default variant."
     return prepare_task(directory, "default", **kw)

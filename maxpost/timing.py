@@ -207,6 +207,7 @@ def _first_step(self: StepTiming, end: float) -> dict:
     out["other"] = out["total"] - sum(v for k, v in out.items() if k not in ("compiles", "total"))
     return out
 
+# %% ../nbs/07d_timing.ipynb
 def _program_list(programs: dict | None, most: int = 8) -> str:
     "`: sft_step 23.1 s, sample_completions 3x 12.0 s, ...` (longest first), or nothing."
     if not programs: return ""
@@ -216,6 +217,7 @@ def _program_list(programs: dict | None, most: int = 8) -> str:
     if rest: out.append(f"{len(rest)} more {sum(v['seconds'] for v in rest):.1f} s")
     return ": " + ", ".join(out)
 
+# %% ../nbs/07d_timing.ipynb
 def timing_lines(rec: dict) -> list[str]:
     "`timing.json`'s record as lines: the time to the first step, then the mean step, one line per part."
     f, s = rec["first_step"], rec["steps"]

@@ -51,6 +51,7 @@ def config_changes(old: dict, new: dict, resumable: Sequence[str]) -> tuple[dict
 def _as_dict(cfg: RunConfig) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg))
 
+# %% ../nbs/08_train.ipynb
 def check_resume(directory, cfg: RunConfig, step: int) -> dict:
     "Refuse a resume whose config changes a key that would break the run; record the allowed changes. `step < 0`: a check before the run starts (names the newest checkpoint, records nothing)."
     from maxpost.config import derived_defaults
@@ -242,11 +243,13 @@ def _set_remat(tr: Trainer, policy: str) -> None:
     tr.graphdef, tr.model_cfg = nnx.graphdef(model), model.cfg
     tr.build_steps()
 
+# %% ../nbs/08_train.ipynb
 def _step_tokens(cfg: TrainConfig) -> int:
     "Tokens of one micro-batch of the training step, over all devices: a sequence is `max_target_length` tokens, or a prompt and its completion."
     seq = getattr(cfg, "max_target_length", None) or getattr(cfg, "max_prompt_length", 0) + getattr(cfg, "max_completion_length", 0)
     return cfg.global_batch_size // max(cfg.gradient_accumulation_steps, 1) * seq
 
+# %% ../nbs/08_train.ipynb
 def _start_remat(tr: Trainer) -> None:
     "With `remat_policy=auto`, before the first compile: start at the least-recompute policy whose estimated activations fit (`remat_to_start`, chapter `07e_memory`), so that a policy that clearly cannot fit is never compiled."
     tr._remat_started = True
@@ -258,6 +261,7 @@ def _start_remat(tr: Trainer) -> None:
         print(f"memory: {line}", file=sys.stderr)   # said only where auto skips a policy
     if pick != tr.model_cfg.remat: _set_remat(tr, pick)
 
+# %% ../nbs/08_train.ipynb
 def compile_step_ahead(tr: Trainer, name: str, *args) -> None:
     "Start compiling the step `tr.<name>` (a `StepCompiler`) for `args` on a thread (`compile_ahead`), at the remat policy `auto` starts at: chosen here, before the first compile."
     if not getattr(tr, "_remat_started", False): _start_remat(tr)
@@ -275,12 +279,14 @@ def _resume(tr: Trainer, ckpts: RunCheckpoints) -> None:
         print(f"resuming from step {tr.step} of {tr.cfg.steps} ({ckpts.dir / 'checkpoints' / str(tr.step)})",
               file=sys.stderr, flush=True)
 
+# %% ../nbs/08_train.ipynb
 def finished_before(cfg: RunConfig) -> bool:
     "Whether the run's newest checkpoint already reached `steps` (read from its directory names, before anything loads): a kind then prints no data preparation before `_finished`'s line."
     d = run_dir(cfg) / "checkpoints"
     steps = [int(p.name) for p in d.iterdir() if p.name.isdigit()] if d.is_dir() else []
     return bool(steps) and max(steps) >= cfg.steps
 
+# %% ../nbs/08_train.ipynb
 def _finished(tr: Trainer) -> dict:
     "What a run that already reached `steps` reports when it is started again: its last records, nothing redone."
     d = run_dir(tr.cfg)
@@ -293,13 +299,13 @@ def _finished(tr: Trainer) -> dict:
     return {"step": tr.step, **{k: last[k] for k in tr.summary_keys if k in last},
             **{k: v for k, v in final.items() if k not in ("step", "kind")}, "already_finished": True}
 
+# %% ../nbs/08_train.ipynb
 def _throughput(tr: Trainer, tokens: float, seconds: float, steps: int) -> dict:
     out = {"learning_rate": float(tr.schedule(tr.step - 1))}
     if tokens: out["tokens_per_s"] = tokens / seconds
     peak = device_peak_flops()
     if tokens and tr.flops_per_token and peak: out["mfu"] = tokens * tr.flops_per_token / seconds / peak
     return out
-
 
 # %% ../nbs/08_train.ipynb
 def _steps(tr: Trainer, ckpts: RunCheckpoints, log: MetricsLogger) -> tuple:

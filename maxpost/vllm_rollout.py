@@ -158,6 +158,7 @@ def _prompts(self: VLLMRollout, prompt_ids, max_prompt_length: int, extra: int) 
         raise ValueError(f"prompt + completion ({max(map(len, prompts))} + {extra}) exceeds max_model_len={self.max_model_len}")
     return prompts
 
+# %% ../nbs/14b_vllm.ipynb
 @patch
 def generate(self: VLLMRollout, prompt_ids: Sequence[Sequence[int]], *, max_prompt_length: int, max_completion_length: int,
              num_generations: int = 1, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,

@@ -92,6 +92,7 @@ def _worker_send(self: Worker, fn, *request) -> None:
         except Exception as e: raise NotIsolated(f"its inputs cannot be sent to a process ({describe(e)})") from None
     raise NotIsolated("its worker process ends as soon as it starts")
 
+# %% ../nbs/12f_workers.ipynb
 def _worker_next(self: Worker, timeout: float | None):
     "The worker's next message; None when none came within `timeout` s; ('died', why) when the process ended."
     try:
@@ -103,8 +104,10 @@ def _worker_next(self: Worker, timeout: float | None):
         return ("died", f"ended its worker process (exit code {code})")
     except BaseException: self.stop(); raise         # Ctrl-C while waiting: the call goes with its process
 
+# %% ../nbs/12f_workers.ipynb
 def _worker_abandon(self: Worker) -> None: self.stop(); self.start()   # it may be stuck for good: a fresh process for the next call
 
+# %% ../nbs/12f_workers.ipynb
 def _worker_stop(self: Worker, grace: float = 0.0) -> None:
     "End the process: close the connection, give it `grace` seconds to exit, then kill it."
     if self.proc is None: return
