@@ -65,7 +65,6 @@ def maxpost_to_hf(run_or_step, out_dir) -> Path:
 # %% ../nbs/16_convert.ipynb
 def _is_nonempty_dir(p: Path) -> bool: return p.is_dir() and any(p.iterdir())
 
-# %% ../nbs/16_convert.ipynb
 def _alive(pid: int) -> bool:
     try: os.kill(pid, 0)
     except ProcessLookupError: return False

@@ -128,7 +128,6 @@ def _builder(files: str | Sequence[str]) -> str | None:
 # %% ../nbs/04_data.ipynb
 def _is_saved(p: Path) -> bool: return p.is_dir() and ((p / "state.json").exists() or (p / "dataset_dict.json").exists())
 
-# %% ../nbs/04_data.ipynb
 def _file_splits(name_or_path, data_files=None) -> dict[str, list[str]] | None:
     "{split: files} for local files (a file or a list of files is one split, 'train') or a directory of split files; else None."
     as_list = lambda fs: [str(fs)] if isinstance(fs, (str, Path)) else [str(f) for f in fs]
@@ -478,7 +477,6 @@ def _encode_batch(tokenizer, rows: Sequence[dict], first: int, fmt: str, train_o
 def _rows(data, start: int, stop: int) -> list[dict]:
     return data.select(range(start, stop)).to_list() if hasattr(data, "select") else list(data[start:stop])
 
-# %% ../nbs/04_data.ipynb
 def _encode_shard(job: tuple) -> dict:
     "Rows [start, stop) of `data` (example `first` onwards) encoded and truncated, in a worker process or here: flat arrays, lengths, counts."
     data, start, stop, first, tokenizer, fmt, max_target_length, train_on, options = job

@@ -52,7 +52,6 @@ def _token_terms(s, t, beta, agree, entropy):
 # %% ../nbs/12d_distill_loss.ipynb
 def _entropy(logps): return -(jnp.exp(logps) * logps).sum(-1)
 
-# %% ../nbs/12d_distill_loss.ipynb
 def _online_terms(student_logps, teacher_logps, beta):
     "Per-position terms [5, ...] of the student against a teacher known over the whole vocabulary."
     agree = jnp.argmax(student_logps, -1) == jnp.argmax(teacher_logps, -1)

@@ -94,7 +94,6 @@ _new_api = "replace" in inspect.signature(OmegaConf.register_resolver).parameter
 def _is_conversation(x) -> bool:
     return isinstance(x, (list, tuple)) and all(isinstance(m, dict) and "role" in m and "content" in m for m in x)
 
-# %% ../nbs/15b_dpo.ipynb
 def extract_prompt(chosen, rejected) -> tuple:
     "(prompt, chosen reply, rejected reply) of two conversations, or two strings, that begin with the same prompt."
     if _is_conversation(chosen) and _is_conversation(rejected):

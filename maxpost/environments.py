@@ -331,7 +331,6 @@ def _warn_cut(n: int, T: int) -> None:
 # %% ../nbs/13b_environments.ipynb
 class _Failure(Exception): "An environment call that failed in its worker process; the message says how, in full."
 
-# %% ../nbs/13b_environments.ipynb
 def _why(ex: BaseException) -> str: return str(ex) if isinstance(ex, _Failure) else describe(ex)
 
 # %% ../nbs/13b_environments.ipynb

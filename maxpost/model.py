@@ -150,7 +150,6 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, plus_one: bool) -> jax.Arra
 # %% ../nbs/02_model.ipynb
 def _rms_norm_fwd(x, w, eps, plus_one): return rms_norm(x, w, eps, plus_one), (x, w)
 
-# %% ../nbs/02_model.ipynb
 def _rms_norm_bwd(eps, plus_one, res, dy):
     x, w = after(dy, res[0])[0], plus_zero(res[1], zero_of(dy))
     n, r, scale = _rms_norm(x, w, eps, plus_one)
@@ -330,7 +329,6 @@ def gated(g: jax.Array, u: jax.Array, activation: str) -> jax.Array:
 # %% ../nbs/02_model.ipynb
 def _gated_fwd(g, u, activation): return _gate(g, u, activation), (g, u)
 
-# %% ../nbs/02_model.ipynb
 def _gated_bwd(activation, res, dm): return jax.vjp(partial(_gate, activation=activation), *after(dm, *res))[1](dm)
 gated.defvjp(_gated_fwd, _gated_bwd)
 
@@ -426,7 +424,6 @@ def __len__(self: Block) -> int:
     shape = self.attn_norm.scale.shape
     return shape[0] if len(shape) == 2 else 1
 
-# %% ../nbs/02_model.ipynb
 @patch
 def __iter__(self: Block): return (self[i] for i in range(len(self)))
 

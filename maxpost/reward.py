@@ -327,7 +327,6 @@ def evaluate(self: RewardTrainer) -> dict:
 @patch
 def data_state(self: RewardTrainer) -> dict: return self.order.state()
 
-# %% ../nbs/15e_reward.ipynb
 @patch
 def restore_data(self: RewardTrainer, state: dict) -> None: self.order.restore(state)
 

@@ -168,7 +168,6 @@ def _value(s: str) -> Fraction | None:
 # %% ../nbs/13_rewards.ipynb
 def _plain(s: str) -> str: return " ".join(s.strip().strip("$").rstrip(".").casefold().split())
 
-# %% ../nbs/13_rewards.ipynb
 def answers_match(pred: str | None, gold: str | None) -> bool:
     "Whether two answers agree: exactly as numbers (Fraction), else as the same text, else via math-verify if installed."
     if pred is None or gold is None or not pred.strip() or not gold.strip(): return False

@@ -69,7 +69,6 @@ def _operand(rng: random.Random, op: str, x: int, d: Difficulty) -> int | None:
     hi = min(d.max_multiplier, d.max_value // x) if x >= 1 else 0
     return rng.randint(d.min_multiplier, hi) if hi >= d.min_multiplier else None
 
-# %% ../nbs/05_tasks.ipynb
 def _apply(op: str, x: int, b: int) -> int: return x + b if op == "+" else x - b if op == "-" else x * b
 
 # %% ../nbs/05_tasks.ipynb

@@ -107,7 +107,6 @@ def _worker_next(self: Worker, timeout: float | None):
 # %% ../nbs/12f_workers.ipynb
 def _worker_abandon(self: Worker) -> None: self.stop(); self.start()   # it may be stuck for good: a fresh process for the next call
 
-# %% ../nbs/12f_workers.ipynb
 def _worker_stop(self: Worker, grace: float = 0.0) -> None:
     "End the process: close the connection, give it `grace` seconds to exit, then kill it."
     if self.proc is None: return
