@@ -28,6 +28,8 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default=None, help="also the SFT step of this preset, from shapes")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--parts", action="store_true", help="also the step's parts alone: attention (blockwise, splash, "
+                   "the cond of both) forward and backward, and the step with JAX's persistent cache on (write, then read)")
     a = p.parse_args(argv)
     import jax, jax.numpy as jnp, optax
     from flax import nnx
@@ -59,6 +61,7 @@ def main(argv=None) -> int:
     timed("sft_step", lambda: make_sft_step(graphdef, tx).lower(*args).compile())
     jax.clear_caches()
     timed("sft_step_again", lambda: make_sft_step(graphdef, tx).lower(*args).compile())
+    if a.parts: parts(timed, a.batch, a.seq, lambda: make_sft_step(graphdef, tx).lower(*args).compile())
     if a.preset:
         big = get_model_config(a.preset, dtype="bfloat16", param_dtype="bfloat16", remat="full")
         g, p_, r_ = nnx.split(nnx.eval_shape(lambda: Decoder(big, rngs=nnx.Rngs(0))), nnx.Param, ...)
@@ -66,6 +69,27 @@ def main(argv=None) -> int:
         big_args = (p_, r_, jax.eval_shape(tx.init, p_), dict(tokens=ids, positions=ids, segment_ids=ids, loss_mask=ids))
         timed(f"sft_step {a.preset} {a.batch}x{a.seq}", lambda: make_sft_step(g, tx).lower(*big_args).compile())
     return 0
+
+
+def parts(timed, b: int, t: int, compile_step) -> None:
+    "The attention kernels alone at [b, t] with 1B's heads (32 x 64, 8 kv heads), forward and backward; then the tiny step through the persistent cache."
+    import tempfile, jax, jax.numpy as jnp
+    from maxpost.attention import Spans, attend
+    n, k, h = 32, 8, 64
+    q, kk, v = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((b, t, n, h), (b, k, h, t), (b, k, t, h)))
+    pos = jax.ShapeDtypeStruct((b, t), jnp.int32)
+    for impl in ("blockwise", "splash", "auto"):
+        def loss(q, kk, v, p, s, impl=impl):
+            return attend(q, kk, v, Spans(p, s, p, s), 0.125, causal=True, implementation=impl).astype(jnp.float32).sum()
+        if impl != "auto" and impl not in ("blockwise",) and jax.default_backend() != "tpu": continue
+        timed(f"attention {impl} fwd+bwd {b}x{t}", lambda: jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, kk, v, pos, pos).compile())
+    d = tempfile.mkdtemp()
+    jax.config.update("jax_compilation_cache_dir", d)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    jax.clear_caches(); timed("sft_step cache write", compile_step)
+    jax.clear_caches(); timed("sft_step cache read", compile_step)
+    jax.config.update("jax_compilation_cache_dir", None)
 
 
 if __name__ == "__main__":

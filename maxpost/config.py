@@ -26,7 +26,7 @@ __all__ = ['DTYPES', 'DTYPE_CHOICES', 'ATTENTION_IMPLEMENTATIONS', 'REMAT_POLICI
 # %% ../nbs/00_config.ipynb
 DTYPES = ("float32", "bfloat16")
 DTYPE_CHOICES = ("auto", *DTYPES)   # what `dtype` may say: auto = bfloat16 on a GPU or TPU, float32 on a CPU
-ATTENTION_IMPLEMENTATIONS = ("auto", "blockwise", "cudnn", "splash")   # 01b_attention; auto: cudnn on GPU, splash on TPU, else blockwise
+ATTENTION_IMPLEMENTATIONS = ("auto", "blockwise", "cudnn", "splash")   # 01b_attention; auto: cudnn on GPU, else blockwise
 REMAT_POLICIES = ("none", "minimal", "full")   # 02_model, in order of memory, most first: each keeps less and recomputes more
 REMAT_CHOICES = ("auto", *REMAT_POLICIES)      # what a config may say: auto = the cheapest policy that fits (08_train)
 LR_SCHEDULES = ("cosine", "linear", "constant")   # 08_train
@@ -88,7 +88,7 @@ class RunConfig:
         help="compute dtype; auto = bfloat16 on a GPU or TPU, float32 on a CPU (the run's config.yml records which)")
     param_dtype: str = key("float32", choices=DTYPES, help="dtype the weights are kept in")
     attention: str = key("auto", choices=ATTENTION_IMPLEMENTATIONS, resumable=True,
-        help="the attention kernel; auto = cudnn on GPU, splash on TPU, else blockwise")
+        help="the attention kernel; auto = cudnn on GPU, else blockwise")
     data_parallelism: int = key(1, resumable=True, help="mesh axis size for data parallelism; -1 = all remaining devices")
     fsdp_parallelism: int = key(-1, resumable=True, help="mesh axis size for sharded weights (FSDP); -1 = all remaining devices")
     tensor_parallelism: int = key(1, resumable=True, help="mesh axis size for tensor parallelism; -1 = all remaining devices")

@@ -24,7 +24,7 @@ from .tasks import prepare_embedded_task, check_held_out
 from .evaluate import load_eval_examples, evaluate, eval_options, held_out_table
 from .policy import Setup
 from .timing import flops_per_token
-from .train import Trainer
+from .train import Trainer, compile_ahead, compile_step_ahead, finished_before
 from .commands import start_trainer, train_command
 from .step import make_update_step, ReferencePolicy
 
@@ -441,6 +441,7 @@ class DPOTrainer(Trainer):
         with self.clock("data"): check_held_out(cfg)
         n_eval = self._load_data()
         self.build_steps()
+        if not finished_before(cfg): self._compile_ahead()   # on threads, while the reference pass and evaluation run
         self.flops_per_token = flops_per_token(self.model_cfg, cfg.max_prompt_length + cfg.max_completion_length)
         self._build_reference(n_eval)
 
@@ -530,6 +531,18 @@ def build_steps(self: DPOTrainer) -> None:
     self.ref_fn = self.compiled(make_reference_fn(self.graphdef, cfg.gradient_accumulation_steps, chunk_size=chunk),
                                 "the reference log-prob pass")
     self.eval_fn = make_dpo_eval_step(self.graphdef, opts, chunk_size=chunk)
+
+# %% ../nbs/15b_dpo.ipynb
+@patch
+def _compile_ahead(self: DPOTrainer) -> None:
+    "Start compiling the update and, for a reference that is a copy of the weights, its log-prob pass, on threads (`compile_step_ahead`) from the first batch's shapes: the first evaluation and the reference's log-probs no longer run before the update's compile starts."
+    cfg = self.cfg
+    b = self.train_data.batch([i % len(self.train_data) for i in range(cfg.global_batch_size)])   # shapes only
+    b.pop("truncated")
+    with_ref = {**b, "ref_logps": np.zeros(len(b["prompt_ids"]), np.float32)} if cfg.loss_type not in REFERENCE_FREE else b
+    compile_step_ahead(self, "step_fn", self.params, self.rest, self.opt_state, sharding.shard_batch(with_ref, self.mesh))
+    if cfg.loss_type not in REFERENCE_FREE and self.lora_base is None:   # after the remat policy is settled above
+        compile_ahead(self.ref_fn, self.params, self.rest, sharding.shard_batch(b, self.mesh), mesh=self.mesh)
 
 # %% ../nbs/15b_dpo.ipynb
 @patch

@@ -27,7 +27,7 @@ T0=$(date +%s)
 if [ -n "${PROBE:-}" ]; then  # where compile time goes (bench/compile_probe.py), then the 1B step op by op (profile_step.py)
   if [ -z "${QUICK:-}" ]; then BIG="--preset ${M:-llama3.2-1b}"; SHAPE="--preset ${M:-llama3.2-1b} --seq 1024 --batch 8"
   else BIG=""; SHAPE="--shape tiny --seq 128"; fi
-  part compile_probe ${T_PROBE:-240} $PY bench/compile_probe.py $BIG
+  part compile_probe ${T_PROBE:-240} $PY bench/compile_probe.py --parts $BIG
   TAIL=40 part profile_step ${T_PROF:-300} $PY bench/profile_step.py sft --platform "" $SHAPE --remat full --dtype bfloat16
   echo "total $(( $(date +%s) - T0 )) s"; exit
 fi
