@@ -4,7 +4,9 @@
 mean gain of each algorithm over SFT with its seed-to-seed standard deviation, and the wall time of `maxpost sft` +
 `maxpost rl` (the main job). Finished stages are skipped on a rerun (their results are read back), so
 `--algos dpo` adds DPO to an earlier GRPO / GSPO study, and `--algos grpo-k1` asynchronous GRPO (`max_staleness=1
-rollout_devices=4` on 8 virtual CPU devices).
+rollout_devices=4` on 8 virtual CPU devices). Its records made before 2026-12-06 vary the task too: `seed=` then also
+drew the embedded task's problems; since then the task is always written from `maxpost.tasks.TASK_SEED` and a seed
+varies only the run (initialisation, data order, sampling).
 
     .venv/bin/python bench/embedded_study.py --seeds 0 1 2 --out maxpost_runs/study
     .venv/bin/python bench/embedded_study.py --seeds 0 1 2 --algos dpo --out maxpost_runs/study

@@ -4,7 +4,9 @@
     python bench/recipe_seeds.py run BASE cispo 1 [cispo 2 rloo 1 ...]   # each run to the end, one after the other
     python bench/recipe_seeds.py record BASE                             # the finished runs into the records
 
-`seed=S` seeds the run's data order and sampling, but also the embedded task itself: with `dataset_name=""`,
+When these seeds ran, `seed=S` seeded the run's data order and sampling, but also the embedded task itself (since
+fixed: the task is now always written from `maxpost.tasks.TASK_SEED`, so the per-seed directories below only keep
+the runs reproducible as they were made): with `dataset_name=""`,
 `maxpost` (re)writes `base_output_directory/embedded_task` from seed S unless that directory's `embedded.json` names
 seed S, so `maxpost rl seed=1` from the seed-0 SFT checkpoint would train and evaluate on other problems than seed 0
 did (31 of seed 1's 1000 held-out problems, 5 of the 128 evaluated, are in seed 0's training set that the SFT saw).

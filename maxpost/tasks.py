@@ -5,11 +5,12 @@
 # %% auto 0
 __all__ = ['NAMES', 'ITEMS', 'SYSTEM_PROMPT', 'TASK_FILES', 'SHORTCUT_SHARE', 'HASTY_ERROR_RATE', 'PAD', 'ENDOFTEXT', 'IM_START',
            'IM_END', 'UNK', 'TAGS', 'CHAT_TEMPLATE', 'PRE_TOKENIZER_PATTERN', 'MAX_VOCAB', 'TASK_VERSION',
-           'TASK_VARIANTS', 'TOOL_TOKENS', 'CALCULATOR_SHARE', 'Difficulty', 'generate_problem', 'generate_problems',
-           'make_splits', 'prompt_messages', 'format_completion', 'is_answer_only', 'skip_last_step', 'sft_messages',
-           'write_embedded_task', 'tokenizer_corpus', 'build_tokenizer', 'TaskVariant', 'prepare_task',
-           'prepare_embedded', 'embedded_task_dir', 'prepare_embedded_task', 'embedded_split', 'check_held_out',
-           'build_calculator_tokenizer', 'calculator_messages', 'write_calculator_task', 'prepare_calculator_task']
+           'TASK_VARIANTS', 'TASK_SEED', 'TOOL_TOKENS', 'CALCULATOR_SHARE', 'Difficulty', 'generate_problem',
+           'generate_problems', 'make_splits', 'prompt_messages', 'format_completion', 'is_answer_only',
+           'skip_last_step', 'sft_messages', 'write_embedded_task', 'tokenizer_corpus', 'build_tokenizer',
+           'TaskVariant', 'prepare_task', 'prepare_embedded', 'embedded_task_dir', 'prepare_embedded_task',
+           'embedded_split', 'check_held_out', 'build_calculator_tokenizer', 'calculator_messages',
+           'write_calculator_task', 'prepare_calculator_task']
 
 # %% ../nbs/05_tasks.ipynb
 import json, os, random, re, string
@@ -277,6 +278,8 @@ def prepare_embedded(directory, **kw) -> dict[str, str]:
     return prepare_task(directory, "default", **kw)
 
 # %% ../nbs/05_tasks.ipynb
+TASK_SEED = 0   # the embedded task's problems: the same for every run, whatever its `seed`
+
 def _variant(cfg) -> str: return getattr(cfg, "embedded_task", "default") or "default"
 
 def embedded_task_dir(cfg: RunConfig) -> Path:
@@ -288,7 +291,7 @@ def prepare_embedded_task(cfg: RunConfig) -> dict[str, str]:
     "`prepare_task` of the variant `cfg.embedded_task` into `embedded_task_dir(cfg)`, a failed write (full disk, no permission) as one `ConfigError` naming the directory."
     d, v = embedded_task_dir(cfg), _variant(cfg)
     if v not in TASK_VARIANTS: raise ConfigError(f"embedded_task={v!r} is not one of {', '.join(TASK_VARIANTS)}")
-    try: return prepare_task(d, v, seed=cfg.seed)
+    try: return prepare_task(d, v, seed=TASK_SEED)
     except OSError as e:
         raise ConfigError(f"could not write the embedded task (about 15 MB) into {d}: {e.strerror or e} "
                           f"({e.filename or d}); free space there or set base_output_directory= to a writable "

@@ -210,3 +210,14 @@ def test_prepare_embedded_is_idempotent(tmp_path):
     os.remove(paths["sft_test"])                                              # a missing file is rewritten
     prepare_embedded(tmp_path, n_train=200, n_test=30, min_steps=1, max_steps=1)
     assert sum(1 for _ in open(paths["sft_test"])) == 30
+
+
+def test_a_runs_seed_does_not_rewrite_the_embedded_task(tmp_path, monkeypatch):
+    "`seed=` re-seeds a run, not its data: the embedded task is written from TASK_SEED, so a run at seed 3 neither rebuilds the task other runs of the directory use nor draws held-out problems that an SFT checkpoint made at seed 0 trained on."
+    import maxpost.tasks as t
+    from maxpost.config import TrainConfig, load_config
+    asked = []
+    monkeypatch.setattr(t, "prepare_task", lambda d, v, seed: asked.append(seed) or {})
+    for seed in (0, 3):
+        t.prepare_embedded_task(load_config(TrainConfig, ["run_name=x", f"base_output_directory={tmp_path}", f"seed={seed}"]))
+    assert asked == [t.TASK_SEED, t.TASK_SEED] == [0, 0]
