@@ -78,8 +78,8 @@ def default_importance_sampling(engine: str, max_staleness: int = 0) -> str:
 ROLLOUT_ENGINES = ("maxpost", "vllm")   # the samplers of the rollouts (below)
 
 @dataclass
-class RLConfig(EpisodeConfig, TrainConfig, GenerationConfig):
-    "Reinforcement learning with group-relative policy optimisation (GRPO, GSPO)."
+class _RLLossKeys:
+    "RL's keys of the groups, the loss and the advantages: a part of `RLConfig` (below)."
     num_generations: int = key(8, positive=True,
         help="completions per prompt (G), the group of group-relative advantages")
     loss_algo: str = key("grpo", choices=POLICY_LOSS_ALGOS,
@@ -113,6 +113,11 @@ class RLConfig(EpisodeConfig, TrainConfig, GenerationConfig):
     num_iterations: int = key(1, positive=True, help="mu: optimizer passes over each rollout batch")
     mini_batch_size: int = key(0, non_negative=True,
         help="rows per optimizer step within a rollout batch (whole groups); 0 = all")
+
+# %% ../nbs/15_rl.ipynb
+@dataclass
+class _RLRolloutKeys(_RLLossKeys):
+    "RL's keys of the rewards and the rollouts: the rest of `RLConfig`."
     reward_functions: list[str] = key(factory=lambda: ["correctness", "format"],
         help="reward functions by name (correctness, format, ...) or module:function")
     reward_weights: list[float] = key(factory=lambda: [1.0, 0.1],
@@ -148,6 +153,11 @@ class RLConfig(EpisodeConfig, TrainConfig, GenerationConfig):
     weight_sync_steps: int = key(1, positive=True,
         help="with max_staleness > 0, publish the trainer's weights to the rollouts every this many updates (TRL's "
              "weight_sync_steps); at most max_staleness, or every rollout of the older weights would be dropped")
+
+# %% ../nbs/15_rl.ipynb
+@dataclass
+class RLConfig(_RLRolloutKeys, EpisodeConfig, TrainConfig, GenerationConfig):
+    "Reinforcement learning with group-relative policy optimisation (GRPO, GSPO)."
 
 # %% ../nbs/15_rl.ipynb
 @patch
