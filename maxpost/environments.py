@@ -10,6 +10,7 @@ from multiprocessing.connection import Connection
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+from fastcore.basics import patch
 
 from . import tasks
 from .config import ConfigError, key
@@ -256,7 +257,8 @@ class Episodes:
     num_cut_messages: int = 0     # environment messages cut to the character cap before tokenizing
 
 # %% ../nbs/13b_environments.ipynb
-def _episodes_metrics(self: Episodes) -> dict:
+@patch
+def metrics(self: Episodes) -> dict:
     "Per-rollout metrics: turns per episode, tool calls and errors, the share of episodes that used a tool, truncated and failed episodes, cut messages."
     failed = np.array([e is not None for e in self.env_errors])
     return {"episodes/turns": float(self.turns.mean()), "episodes/tool_calls": float(self.tool_calls.mean()),
@@ -270,8 +272,6 @@ def _lengths(ep: Episodes) -> np.ndarray:
     "Tokens after the first prompt, per episode (sampled and environment tokens, not padding)."
     last = np.where(ep.turn_ids >= 0, np.arange(ep.turn_ids.shape[1]) + 1, 0).max(1)
     return last
-
-Episodes.metrics = _episodes_metrics
 
 # %% ../nbs/13b_environments.ipynb
 class _ModelEngine:

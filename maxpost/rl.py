@@ -446,7 +446,7 @@ def __init__(self: RLTrainer, cfg: RLConfig, setup: Setup, *, reward_fns=None, e
     self.engine = engine if engine is not None else make_engine(cfg, self.model, self.tokenizer)
     self.build_steps()
     self.sampling = sampling_options(cfg, self.tokenizer)
-    if not finished_before(cfg) and not cfg.environment: self.compile_programs_ahead()
+    if not finished_before(cfg) and not cfg.environment: self._compile_programs_ahead()
     self.last_batch, self.last_update_metrics = None, []
 
 # %% ../nbs/15_rl.ipynb
@@ -490,7 +490,7 @@ def rollout(self: RLTrainer, index: int | None = None, engine: RolloutEngine | N
     cfg, G = self.cfg, self.cfg.num_generations
     examples = self.prompts.next(cfg.global_batch_size // G)
     data_state, index = self.prompts.state(), self.step if index is None else index
-    if self.environment is not None: return self.episode_rollout(examples, index, engine, data_state)
+    if self.environment is not None: return self._episode_rollout(examples, index, engine, data_state)
     t0 = time.perf_counter()
     r = (engine or self.engine).generate(prompt_token_ids(self.tokenizer, [e["question"] for e in examples],
                                                           cfg.prompt_template),
@@ -524,7 +524,7 @@ def update(self: RLTrainer, ro: dict) -> dict:
 @patch
 def _update(self: RLTrainer, ro: dict) -> dict:
     cfg, batch, info = self.cfg, dict(ro["batch"]), dict(ro["info"])
-    self.stop_if_failing(ro)     # a step in which every item failed: after max_failed_steps of them, one line
+    self._stop_if_failing(ro)     # a step in which every item failed: after max_failed_steps of them, one line
     t0, sampler_logps = time.perf_counter(), np.asarray(ro["sampler_logps"], np.float32)
     dev = sharding.shard_batch({**batch, "sampler_logps": sampler_logps}, self.mesh)   # the log-prob passes' batch
     correct = self.correction["mode"] != "none"
@@ -550,6 +550,7 @@ def _update(self: RLTrainer, ro: dict) -> dict:
     return info
 
 # %% ../nbs/15_rl.ipynb
+@patch
 def _compile_programs_ahead(self: RLTrainer) -> None:
     "Start compiling the update, the log-prob pass, the sampler and the advantages on threads, for the shapes of this run's batches (prompts padded to `self.bucket`)."
     cfg, G, B, T, P = self.cfg, self.cfg.num_generations, self.cfg.global_batch_size, self.cfg.max_completion_length, self.bucket
@@ -573,8 +574,6 @@ def _compile_programs_ahead(self: RLTrainer) -> None:
         compile_ahead(self.sampler.fn, nnx.state(self.model), *self.sampler.inputs(
             zeros(B // G, P, dtype=np.int32), zeros(B // G, P, dtype=np.int32), G, seed_key_data(0), *knobs), mesh=self.mesh)
 
-RLTrainer.compile_programs_ahead = _compile_programs_ahead
-
 # %% ../nbs/15_rl.ipynb
 def episode_batch(ep: Episodes, rewards_b: np.ndarray, num_generations: int, scale: str = "group") -> tuple[dict, np.ndarray]:
     "The training batch of `Episodes` and their total rewards (0 where the environment failed), and those rewards."
@@ -589,6 +588,7 @@ def episode_batch(ep: Episodes, rewards_b: np.ndarray, num_generations: int, sca
                 completion_mask=mask, advantages=adv), total
 
 # %% ../nbs/15_rl.ipynb
+@patch
 def _episode_rollout(self: RLTrainer, examples: list[dict], index: int, engine, data_state) -> dict:
     "`rollout` with `environment=`: G episodes of each example, scored by the environment and the reward functions."
     cfg, G = self.cfg, self.cfg.num_generations
@@ -611,14 +611,13 @@ def _episode_rollout(self: RLTrainer, examples: list[dict], index: int, engine, 
     return dict(batch=batch, sampler_logps=ep.per_token_logps, info=info, text=ep.text, examples=examples,
                 data_state=data_state, messages=ep.messages, env_errors=ep.env_errors)
 
-RLTrainer.episode_rollout = _episode_rollout
-
 # %% ../nbs/15_rl.ipynb
 import logging
 _LAST_WARNING = {}   # logger name -> the last warning it gave (a reward's error: its logger, not its return, says why)
 for _name in ("maxpost.rewards", "maxpost.environments"):
     logging.getLogger(_name).addFilter(lambda r: _LAST_WARNING.__setitem__(r.name, r.getMessage()) or True)
 
+@patch
 def _stop_if_failing(self: RLTrainer, ro: dict) -> None:
     "ConfigError (exit 2) at the `max_failed_steps`-th step in a row in which every item failed (every episode erred, or a reward function failed on every item), with the first such step's error."
     info, n = ro["info"], len(ro["text"])
@@ -632,8 +631,6 @@ def _stop_if_failing(self: RLTrainer, ro: dict) -> None:
         (s0, why), s1 = self.failing[0], self.failing[-1][0]
         raise ConfigError(f"steps {s0}-{s1}: every item of each step failed, nothing trained; the first: {why}; fix it "
                           "(run a reward or the environment on one example), or set max_failed_steps=0 to go on")
-
-RLTrainer.stop_if_failing = _stop_if_failing
 
 # %% ../nbs/15_rl.ipynb
 def train_rl(cfg: RLConfig, *, progress: bool = True, reward_fns=None) -> dict:
