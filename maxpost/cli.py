@@ -4,7 +4,7 @@
 
 # %% ../nbs/17_cli.ipynb 3
 from __future__ import annotations
-import argparse, importlib, os, re, sys
+import argparse, importlib, os, re, sys, warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -17,7 +17,7 @@ from .convert import convert_main
 
 # %% auto 0
 __all__ = ['KIND_MODULES', 'ENTRY_POINT_GROUP', 'EXIT_CODES', 'kind_entry_points', 'load_kinds', 'commands', 'bare_values',
-           'command_help', 'show_config', 'exit_code', 'quiet_libraries', 'main']
+           'command_help', 'show_config', 'exit_code', 'quiet_libraries', 'one_line_warnings', 'main']
 
 # %% ../nbs/17_cli.ipynb
 KIND_MODULES = {"sft": ("maxpost.sft",), "eval": ("maxpost.eval_command",), "rl": ("maxpost.rl", "maxpost.async_rl"),
@@ -96,6 +96,16 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 # %% ../nbs/17_cli.ipynb
+def one_line_warnings() -> None:
+    "A warning maxpost gives on a run's terminal (prompts cut to max_prompt_length, a checkpoint set aside) prints as one line, `warning: ...`, not as Python's file path, category and source line; another library's keeps Python's format."
+    import maxpost
+    python_format, ours = warnings.formatwarning, Path(maxpost.__file__).resolve().parent
+    def fmt(message, category, filename, lineno, line=None):
+        if Path(filename).resolve().parent == ours: return f"warning: {message}\n"
+        return python_format(message, category, filename, lineno, line)
+    warnings.formatwarning = fmt
+
+# %% ../nbs/17_cli.ipynb
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="maxpost", description="LLM post-training (SFT, GRPO, GSPO) in JAX.",
                                 epilog="Each command takes [base.yml] key=value ...; see `maxpost config sft`. Exit codes: "
@@ -109,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     "The `maxpost` console script."
     argv = list(sys.argv[1:] if argv is None else argv)
-    quiet_libraries()
+    quiet_libraries(); one_line_warnings()
     p = _parser()
     if not argv or argv[0] in ("-h", "--help"):
         p.print_help(); return 0 if argv else 2

@@ -320,3 +320,15 @@ def test_an_adapter_names_a_base_peft_loads_from_anywhere(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     np.testing.assert_allclose(np.array(json.loads(r.stdout)), np.asarray(model(jnp.arange(6)[None]))[0],
                                rtol=1e-4, atol=1e-4)
+
+
+def test_maxposts_warnings_are_one_line_on_the_terminal():
+    "A warning raised from one of maxpost's modules during a command (as `generate` warns from its caller, evaluate.py or rl.py, about prompts cut to max_prompt_length) reaches stderr as one `warning: ...` line, without Python's path, category and source line; another module's warning keeps Python's format."
+    import subprocess, sys
+    code = ("import warnings, maxpost.evaluate as ev; from maxpost.cli import one_line_warnings; one_line_warnings()\n"
+            "warnings.warn_explicit('2 of 3 prompts (67%) are longer than max_prompt_length=8', UserWarning, ev.__file__, 142)\n"
+            "warnings.warn('from elsewhere')\n")
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}).stderr
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert lines[0] == "warning: 2 of 3 prompts (67%) are longer than max_prompt_length=8", err
+    assert len(lines) == 2 and lines[1].endswith("UserWarning: from elsewhere"), err   # Python's format: where, category
