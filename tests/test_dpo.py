@@ -332,3 +332,14 @@ def test_the_default_dpo_run_directory_names_dpo_not_sigmoid():
     import maxpost.dpo  # noqa: F401  (registers the kind and its run-name resolver)
     assert load_config("dpo").run_name == "embedded-dpo"
     assert load_config("dpo", ["loss_type=orpo"]).run_name == "embedded-orpo"
+
+
+def test_the_update_and_the_reference_pass_compile_ahead_and_are_the_programs_used(tmp_path):
+    "DPO starts compiling its update and its reference pass on threads when the trainer is built (before the reference's log-probs and the first evaluation), from the first batch's shapes; the first real calls take those programs: nothing is compiled again, nothing left pending."
+    cfg = load_config("dpo", [f"base_output_directory={tmp_path}", "run_name=ahead", "global_batch_size=4", "steps=1",
+                              "eval_interval=0", "eval_num_prompts=0", *TINY], base=None)
+    tr = start_trainer(DPOTrainer, cfg, progress=False)
+    assert len(tr.step_fn.ahead) == 1 and len(tr.ref_fn.ahead) == 1      # started at construction
+    tr.fit(progress=False)
+    for fn in (tr.step_fn, tr.ref_fn):
+        assert fn.ahead == {} and len(fn.programs) == 1                # the ahead program was the one called
