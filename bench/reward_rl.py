@@ -132,7 +132,8 @@ def parse(base: Path, run_name: str) -> dict:
     ev = [d for d in last if "mean_completion_length" in d]
     if ev: out["completion_length_before_after"] = [round(ev[0]["mean_completion_length"], 1), round(ev[-1]["mean_completion_length"], 1)]
     if (v := validation(base, f"embedded-{run_name}")) is not None: out["validation_pass@1_after"] = v
-    return {**json.loads((base / f"{run_name}.json").read_text()), **out, "printed": printed}
+    info = json.loads((base / f"{run_name}.json").read_text())
+    return {**info, "command": info["command"].replace(str(base), "BASE"), **out, "printed": printed}
 
 
 def summary(per_seed: dict) -> dict:
@@ -202,12 +203,12 @@ def record(base: Path, names: list[str]):
     rec["about"] = ABOUT
     if (v := validation(base, "embedded-sft")) is not None:
         rec["validation"] = {"eval_split": VALIDATION, "what": "greedy pass@1 in % of these 512 held-out problems (`validate`), "
-                             "apart from the 128 the runs evaluated and the step count was chosen on", "sft_pass@1": v}
+                             "apart from the 128 the runs evaluated and the recipes were chosen on", "sft_pass@1": v}
     for name in REWARD_RUNS:
         if (base / name / "timing.json").exists(): rec.setdefault("reward_models", {})[name] = reward_run(base, name)
     for name in names:
         per_seed = {p.stem.rsplit("-s", 1)[1]: parse(base, p.stem) for p in sorted(base.glob(f"{name}-s*.json"))}
-        rec.setdefault("runs", {})[name] = {"command": per_seed[min(per_seed)]["command"].replace(f"seed={min(per_seed)}", "seed=S"),
+        rec.setdefault("runs", {})[name] = {"command": per_seed[min(per_seed)]["command"].replace(f"seed={min(per_seed)}", "seed=S").replace(f"-s{min(per_seed)} ", "-sS "),
                                             "per_seed": per_seed, "summary": summary(per_seed)}
         print(name, json.dumps(rec["runs"][name]["summary"]))
     if (base / "probe.json").exists(): rec["probe"] = json.loads((base / "probe.json").read_text())
