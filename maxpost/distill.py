@@ -26,7 +26,7 @@ from .evaluate import load_eval_examples, evaluate, eval_options, held_out_table
 from .tasks import check_held_out, embedded_split
 from .policy import Setup, setup_run
 from .timing import flops_per_token
-from .train import Trainer
+from .train import Trainer, compile_step_ahead, finished_before
 from .commands import command_config, start_trainer, train_command
 from .step import make_update_step
 
@@ -349,6 +349,7 @@ class DistillTrainer(Trainer):
             else: self._load_teacher()
             self.eval_examples = load_eval_examples(cfg) if cfg.eval_num_prompts else []
         self.build_steps()
+        if not finished_before(cfg): self._compile_ahead()   # on a thread, while the first evaluation runs
         self.flops_per_token = flops_per_token(self.model_cfg, cfg.max_prompt_length + cfg.max_completion_length)
         if self.teacher_graphdef is not None: self.flops_per_token += self.teacher_flops   # its forward pass
 
@@ -400,6 +401,19 @@ def source_of_step(self: DistillTrainer, step: int) -> str:
     if cfg.mode == "on_policy": return "student"
     if cfg.mode == "gkd": return "student" if np.random.default_rng([cfg.seed, step, 7]).random() < cfg.lmbda else "dataset"
     return cfg.completion_source
+
+# %% ../nbs/15d_distill.ipynb
+@patch
+def _compile_ahead(self: DistillTrainer) -> None:
+    "Start compiling the distillation step on a thread (`compile_step_ahead`) from a batch's shapes (the offline file's first rows, or prompts and completions padded to their maximum lengths, as every batch is), while the first evaluation (the teacher's too) runs."
+    cfg, B = self.cfg, self.cfg.global_batch_size
+    if self.offline is not None: b = {k: v[:B] for k, v in self.offline.items()}
+    else:
+        zeros = lambda n: np.zeros((B, n), np.int32)
+        b = dict(prompt_ids=zeros(cfg.max_prompt_length), prompt_mask=zeros(cfg.max_prompt_length),
+                 completion_ids=zeros(cfg.max_completion_length), completion_mask=zeros(cfg.max_completion_length))
+    compile_step_ahead(self, "step_fn", self.params, self.rest, self.opt_state, self.teacher_state,
+                       sharding.shard_batch(b, self.mesh))
 
 # %% ../nbs/15d_distill.ipynb
 @patch

@@ -147,3 +147,21 @@ def test_prompts_without_completions_serve_on_policy_but_not_the_dataset_modes(t
     for extra in (["mode=gkd"], ["mode=supervised"], ["mode=offline"]):
         with pytest.raises(ConfigError, match="completion_column="):
             distill_examples(load_config("distill", base + extra), "train")
+
+
+@pytest.mark.parametrize("mode", ["on_policy", "supervised", "offline"])
+def test_the_step_compiles_ahead_and_is_the_program_used(tmp_path, mode):
+    "The distillation step starts compiling on a thread when the trainer is built (before the first evaluation), from a batch's shapes: prompts and completions padded to their maximum lengths online, the file's first rows offline; the first steps take that program (nothing compiled again, nothing left pending)."
+    from maxpost.commands import start_trainer
+    from maxpost.distill import DistillTrainer
+    hf = _teacher(tmp_path / "teacher")
+    args = [f"base_output_directory={tmp_path}", f"teacher_path={hf}", *SMALL, f"mode={mode}", "steps=2",
+            "eval_num_prompts=0", f"run_name={mode}"]
+    if mode == "offline":
+        off = load_config("distill", args + ["offline_k=8", "offline_examples=8"])
+        write_teacher_topk(off, setup_run(off, models={"teacher": str(hf)}))
+        args += ["offline_k=8", "offline_examples=8"]
+    tr = start_trainer(DistillTrainer, load_config("distill", args), progress=False)
+    assert len(tr.step_fn.ahead) == 1
+    tr.fit(progress=False)
+    assert tr.step_fn.ahead == {} and len(tr.step_fn.programs) == 1
