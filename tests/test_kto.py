@@ -124,7 +124,7 @@ def _refused_in_one_line(r, word):
 
 
 def test_cli_bad_kto_input_exits_2_in_one_line(tmp_path):
-    """Labels that are not booleans, a split with no undesirable example, and a KTO key under DPO: exit 2, one line
+    """Labels that are not booleans, a split with no undesirable or no desirable example, and a KTO key under DPO: exit 2, one line
     on stderr naming the problem, nothing trained."""
     tasks.build_tokenizer().save_pretrained(tmp_path / "tok")
     good = [{"prompt": f"What is {i} + 1?", "completion": f"It is {i + 1 + i % 2}.", "label": i % 2 == 0} for i in range(6)]
@@ -132,7 +132,8 @@ def test_cli_bad_kto_input_exits_2_in_one_line(tmp_path):
     held.write_text("".join(json.dumps(r) + "\n" for r in good))
     cases = {"yes": ([*good[:3], {**good[3], "label": "yes"}, *good[4:]], "row 3 (counting from 0): column 'label' holds 'yes', not a boolean"),
              "ints": ([{**g, "label": int(g["label"])} for g in good], "column 'label' holds 1, not a boolean"),
-             "all": ([{**g, "label": True} for g in good], "none is undesirable (label false)")}
+             "all": ([{**g, "label": True} for g in good], "none is undesirable (label false)"),
+             "none": ([{**g, "label": False} for g in good], "none is desirable (label true)")}
     common = [f"tokenizer_path={tmp_path / 'tok'}", "load_parameters_path=", "model_overrides={num_layers: 1}",
               "global_batch_size=2", "steps=1", "eval_num_prompts=0", "loss_type=kto", f"eval_dataset_name={held}",
               "eval_split=train"]
