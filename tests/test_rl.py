@@ -472,10 +472,17 @@ def test_one_grpo_update_matches_trl_grpo_trainer(tmp_path):
         optim.step()
         mine = named(ours)
         for name, w in model.named_parameters():
-            # AdamW divides each coordinate by its own gradient's size, so a coordinate whose gradient is ~0 moves by
-            # an amount float32 rounding decides (seen: 1 of 6144 at step 1). Compared: the whole tensor's change
+            # AdamW divides each coordinate by the root of its own second moment, so a coordinate whose gradients are ~0
+            # moves by an amount (and in a direction) float32 rounding decides: the two sides' gradients agree to ~2e-6
+            # of a tensor's largest entry (step 1 above), not better. Compared: the change of the coordinates whose
+            # second moment is above 1e-4 of the tensor's largest (their step is fixed by the gradients' signs and
+            # sizes) or is exactly 0 (a token no row holds: no step on either side), which must be at least 85 % of them (the rest: mostly the
+            # embedding rows of tokens the model gives vanishing probability)
+            root_v = optim.state[w]["exp_avg_sq"].numpy() ** 0.5
+            sure = (root_v > 1e-4 * root_v.max()) | (root_v == 0)
+            assert sure.mean() > 0.85, f"step {step + 1}: {name}: {1 - sure.mean():.1%} of the coordinates have ~0 gradients"
             moved = w.detach().numpy() - start[name]
-            err = np.linalg.norm(mine[name] - start[name] - moved) / np.linalg.norm(moved)
+            err = np.linalg.norm((mine[name] - start[name] - moved)[sure]) / np.linalg.norm(moved[sure])
             worst = max(worst, err)
             assert err < 1e-3, f"step {step + 1}: {name}: relative difference of the change {err:.2e}"
     print(f"gradient norms {norms}; worst relative difference of a tensor's change {worst:.2e}")
