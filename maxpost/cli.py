@@ -98,11 +98,13 @@ def quiet_libraries() -> None:
 # %% ../nbs/17_cli.ipynb
 def one_line_warnings() -> None:
     "A warning maxpost gives on a run's terminal (prompts cut to max_prompt_length, a checkpoint set aside) prints as one line, `warning: ...`, not as Python's file path, category and source line; another library's keeps Python's format."
+    if getattr(warnings.formatwarning, "maxpost", False): return   # once: a second call would wrap it again
     import maxpost
     python_format, ours = warnings.formatwarning, Path(maxpost.__file__).resolve().parent
     def fmt(message, category, filename, lineno, line=None):
         if Path(filename).resolve().parent == ours: return f"warning: {message}\n"
         return python_format(message, category, filename, lineno, line)
+    fmt.maxpost = True
     warnings.formatwarning = fmt
 
 # %% ../nbs/17_cli.ipynb
