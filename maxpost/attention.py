@@ -35,7 +35,7 @@ def attention_mask(q_positions_bt, q_segment_ids_bt, k_positions_bs, k_segment_i
 # %% ../nbs/01b_attention.ipynb
 def zero_of(x: jax.Array) -> jax.Array:
     "An exact float32 scalar 0 computed from the first element of `x` (finite or not): what adds it waits for `x`."
-    x0 = x.reshape(-1)[0].astype(jnp.float32)
+    x0 = x[(0,) * x.ndim].astype(jnp.float32)     # an index, not `x.reshape(-1)[0]`: see above
     return jnp.where(jnp.isfinite(x0), x0, 0.0) * 0.0
 
 def plus_zero(y: jax.Array, zero: jax.Array) -> jax.Array:
@@ -47,7 +47,7 @@ def plus_zero(y: jax.Array, zero: jax.Array) -> jax.Array:
 
 def after(x: jax.Array, *ys: jax.Array) -> tuple:
     "`ys` unchanged, but computed from `x`, so XLA must finish `x` first: row b of each `y` gets an exact zero made from the first element of row b of `x` (a batch-sharded `x` needs no communication)."
-    x_b = x.reshape(x.shape[0], -1)[:, 0].astype(jnp.float32)
+    x_b = x[(slice(None),) + (0,) * (x.ndim - 1)].astype(jnp.float32)   # x[:, 0, ..., 0]
     zero_b = jnp.where(jnp.isfinite(x_b), x_b, 0.0) * 0.0
     return tuple(plus_zero(y, zero_b) for y in ys)
 
