@@ -5,15 +5,17 @@
 # %% ../nbs/08c_commands.ipynb 4
 from __future__ import annotations
 import os, sys, tempfile, time
+from functools import partial
 from pathlib import Path
 
-import yaml
+import jax, yaml
 
 from .config import RunConfig, TrainConfig, ConfigError, kind_of, load_config, split_base, run_dir
 from .checkpoint import checkpoint_size, describe_size
 from .tasks import prepare_embedded_task
-from .policy import check_inputs, setup_run, use_compilation_cache
+from .policy import check_inputs, load_policy, make_run_mesh, setup_run, use_compilation_cache
 from .timing import Clock, compile_watch
+from .compile import EarlyPrograms
 from .train import Trainer, precheck_run_dir
 
 # %% auto 0
@@ -59,15 +61,21 @@ def command_config(kind, argv=None) -> RunConfig:
 
 # %% ../nbs/08c_commands.ipynb
 def start_trainer(trainer: type, cfg: TrainConfig, *, announce: bool = False, **kw) -> Trainer:
-    "`trainer(cfg, setup, **kw)` with the setup a command builds for it: the clock started here, the run directory checked, the embedded task prepared once (timed as `data`), `setup_run` with the kind's `setup_options` (timed as `weights`); `announce` prints the start line."
+    "`trainer(cfg, setup, **kw)` with the setup a command builds for it: the clock started here, the run directory checked, the mesh (timed as `backend`: the accelerator's runtime starts), the kind's `early_programs` and a random policy started on a thread (`EarlyPrograms`) while the embedded task is prepared (timed as `data`), then `setup_run` with the kind's `setup_options` (timed as `weights`); `announce` prints the start line."
     clock, started = Clock(), time.time()            # `started`: the end of start-up (process start to here)
     compile_watch(); use_compilation_cache(cfg)       # before the first compilation
+    with clock("backend"):   # the first device query starts the accelerator's runtime: seconds on a TPU (see 07g_compile)
+        jax.process_index(); opts = trainer.setup_options(cfg); mesh = make_run_mesh(cfg, opts.get("devices"))
     precheck_run_dir(cfg)
+    load = None if os.path.expanduser(cfg.load_parameters_path) else partial(load_policy, cfg, mesh)
+    early = EarlyPrograms(mesh, partial(trainer.early_programs, cfg), load)
     task = None
     if not cfg.dataset_name:
         with clock("data"): task = prepare_embedded_task(cfg)     # written once; its tokenizer is the setup's
-    with clock("weights"): setup = setup_run(cfg, task=task, announce=announce, **trainer.setup_options(cfg))
-    setup.clock, setup.started = clock, started
+    with clock("weights"):
+        early.wait()
+        setup = setup_run(cfg, task=task, announce=announce, policy=early.loaded, **opts)
+    setup.clock, setup.started, setup.early = clock, started, early
     return trainer(cfg, setup, **kw)
 
 # %% ../nbs/08c_commands.ipynb

@@ -4,18 +4,20 @@
 
 # %% ../nbs/07g_compile.ipynb 4
 from __future__ import annotations
-import concurrent.futures, contextlib
+import concurrent.futures, contextlib, threading
+from typing import Callable
 import jax, numpy as np
 from fastcore.basics import patch
 
 # %% auto 0
-__all__ = ['StepCompiler', 'compile_ahead']
+__all__ = ['StepCompiler', 'compile_ahead', 'EarlyPrograms']
 
 # %% ../nbs/07g_compile.ipynb
 class StepCompiler:
     "A jitted function compiled once per input signature; each new program goes to `on_compile` before it runs, a compile's error to `on_error` (which may raise another)."
     def __init__(self, jitted, on_compile=None, on_error=None):
         self.jitted, self.on_compile, self.on_error, self.programs, self.ahead = jitted, on_compile, on_error, {}, {}
+        self.early = {}   # signature -> a compile started from shapes before the weights existed (`EarlyPrograms`)
 
     @staticmethod
     def _layout(x):
@@ -35,14 +37,23 @@ class StepCompiler:
 # %% ../nbs/07g_compile.ipynb
 @patch
 def compile(self: StepCompiler, *args):
-    "The compiled program for `args` (arrays or `jax.ShapeDtypeStruct`s), compiling it the first time, or waiting for the one `compile_ahead` started (its error raised here)."
+    "The compiled program for `args` (arrays or `jax.ShapeDtypeStruct`s), compiling it the first time, or waiting for the one `compile_ahead` started (its error raised here) or the one started from shapes (`early`: its error goes to `on_error` here)."
     key = self._signature(args)
     if key not in self.programs:
-        ahead = self.ahead.pop(key, None)
-        program = ahead.result() if ahead is not None else self._lower(args)
+        ahead, early = self.ahead.pop(key, None), self.early.pop(key, None)
+        program = ahead.result() if ahead is not None else self._early(early) if early is not None else self._lower(args)
         if self.on_compile is not None: self.on_compile(program)    # on the caller's thread, before it runs
         self.programs[key] = program
     return self.programs[key]
+
+# %% ../nbs/07g_compile.ipynb
+@patch
+def _early(self: StepCompiler, future):
+    "The program of a compile started from shapes by another compiler (without this one's `on_error`): its error handled as `_lower` handles one."
+    try: return future.result()
+    except Exception as e:
+        if self.on_error is not None: self.on_error(e)
+        raise
 
 # %% ../nbs/07g_compile.ipynb
 @patch
@@ -62,5 +73,32 @@ _COMPILER = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="compile
 def compile_ahead(compiler: StepCompiler, *args, mesh=None) -> None:
     "Start compiling `compiler`'s program for `args` (arrays or `jax.ShapeDtypeStruct`s) on a thread, traced under `mesh`, while the caller goes on (loads data, compiles another program); the first call with that signature waits for it."
     key = compiler._signature(args)
-    if key not in compiler.programs and key not in compiler.ahead:
+    if key not in compiler.programs and key not in compiler.ahead and key not in compiler.early:
         compiler.ahead[key] = _COMPILER.submit(compiler._lower, args, mesh)
+
+# %% ../nbs/07g_compile.ipynb
+class EarlyPrograms:
+    "On a thread, while a command prepares its data: each program of `plan(mesh)` (name -> `(graphdef, jitted, args)`) compiled from shapes (`compile_ahead`), then `load()` (a policy that needs no file: its init compiles and runs); a trainer `take`s the program it would compile."
+    def __init__(self, mesh, plan: Callable | None = None, load: Callable | None = None):
+        self.mesh, self.programs, self.loaded, self.error = mesh, {}, None, None
+        self._thread = threading.Thread(target=self._run, args=(plan, load), name="early")
+        self._thread.start()
+
+    def _run(self, plan, load):
+        try:
+            for name, (graphdef, jitted, args) in (plan(self.mesh) if plan is not None else {}).items():
+                compiler = StepCompiler(jitted)
+                compile_ahead(compiler, *args, mesh=self.mesh)
+                self.programs[name] = (graphdef, *next(iter(compiler.ahead.items())))
+            if load is not None: self.loaded = load()
+        except Exception as e: self.error = e   # the command's own path meets it again, and says it there
+
+    def wait(self) -> None:
+        "Until every program's compile has started and `load` has returned."
+        self._thread.join()
+
+    def take(self, name: str, graphdef) -> tuple | None:
+        "`(signature, future)` of the program `name` if it was compiled for `graphdef`, else None; each is taken once."
+        self.wait()
+        got = self.programs.pop(name, None)
+        return got[1:] if got is not None and got[0] == graphdef else None

@@ -10,7 +10,7 @@ import jax, optax
 from .config import TrainConfig
 
 # %% auto 0
-__all__ = ['make_schedule', 'make_optimizer', 'on_mesh', 'init_opt_state']
+__all__ = ['make_schedule', 'make_optimizer', 'on_mesh', 'init_opt_state', 'abstract_opt_state']
 
 # %% ../nbs/07f_optimizer.ipynb
 def make_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -42,11 +42,19 @@ def on_mesh(tree, mesh):
         return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
     return jax.tree.map(place, tree)
 
-def init_opt_state(tx: optax.GradientTransformation, params, mesh):
-    "`tx.init(params)` on `mesh`: each moment laid out like its parameter, everything else (counts) replicated."
+def _opt_layout(tx: optax.GradientTransformation, params, mesh):
+    "The sharding of each leaf of `tx.init(params)` (`params`: arrays or shapes with shardings): each moment laid out like its parameter, everything else (counts) replicated."
     from jax.sharding import NamedSharding, PartitionSpec
+    return optax.tree_map_params(tx, lambda s, p: p.sharding, jax.eval_shape(tx.init, params), params,
+                                 transform_non_params=lambda s: NamedSharding(mesh, PartitionSpec()))
+
+def init_opt_state(tx: optax.GradientTransformation, params, mesh):
+    "`tx.init(params)` on `mesh`, laid out by `_opt_layout`."
     # Left to itself, jit replicates the zeros (they depend on no input's layout): every device would hold the
     # whole Adam state until the first step's outputs come back sharded, and that step would compile twice.
-    layout = optax.tree_map_params(tx, lambda s, p: p.sharding, jax.eval_shape(tx.init, params), params,
-                                   transform_non_params=lambda s: NamedSharding(mesh, PartitionSpec()))
-    return jax.jit(tx.init, out_shardings=layout)(params)
+    return jax.jit(tx.init, out_shardings=_opt_layout(tx, params, mesh))(params)
+
+def abstract_opt_state(tx: optax.GradientTransformation, params, mesh):
+    "What `init_opt_state` returns, as `jax.ShapeDtypeStruct`s with their shardings (nothing allocated; `params` may be shapes too)."
+    return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), jax.eval_shape(tx.init, params),
+                        _opt_layout(tx, params, mesh))

@@ -19,9 +19,9 @@ from .lora import adapters_off, save_merged_hf, save_adapter
 
 # %% auto 0
 __all__ = ['INPUT_KEYS', 'make_run_mesh', 'model_options', 'set_model_options', 'model_config_for', 'is_hf_dir',
-           'find_run_checkpoint', 'read_model_config', 'load_policy', 'lora_options', 'attach_adapters',
-           'check_lora_base', 'adapter_base', 'lora_run_config', 'load_lora_run', 'tokenizer_dir', 'check_vocab',
-           'missing_inputs', 'check_inputs', 'start_line', 'Setup', 'use_compilation_cache', 'setup_run',
+           'find_run_checkpoint', 'read_model_config', 'load_policy', 'policy_shapes', 'lora_options',
+           'attach_adapters', 'check_lora_base', 'adapter_base', 'lora_run_config', 'load_lora_run', 'tokenizer_dir',
+           'check_vocab', 'missing_inputs', 'check_inputs', 'start_line', 'Setup', 'use_compilation_cache', 'setup_run',
            'TrainableWeights', 'FullWeights', 'LoRAWeights', 'trainable_weights']
 
 # %% ../nbs/07b_policy.ipynb
@@ -110,6 +110,13 @@ def load_policy(cfg: RunConfig, mesh) -> nnx.Module:
                           f"{describe_checkpoint_kinds()}") from None
     if lora_run_config(run) is not None: return load_lora_run(run, step, cfg, mesh)   # adapters + their base
     return _restored_model(run, step, dataclasses.replace(read_model_config(run), **opts), mesh)
+
+# %% ../nbs/07b_policy.ipynb
+def policy_shapes(cfg: RunConfig, mesh) -> nnx.Module | None:
+    "The policy `load_policy` will return, as `jax.ShapeDtypeStruct`s with their shardings (nothing allocated), where the configuration alone says it: a random preset; None when weights are loaded."
+    if os.path.expanduser(cfg.load_parameters_path): return None
+    mc, seed = model_config_for(cfg), cfg.seed
+    return sharding.abstract_sharded(lambda: mm.Decoder(mc, rngs=nnx.Rngs(seed)), mesh)
 
 # %% ../nbs/07b_policy.ipynb
 def lora_options(cfg: TrainConfig) -> dict | None:
@@ -247,6 +254,7 @@ class Setup:
     models: dict
     clock: Any = None              # a command's setup (`start_trainer`, chapter 08c_commands): the clock that timed it
     started: float | None = None   # and when the command began (`time.time()`): the end of start-up
+    early: Any = None              # the programs the command started compiling from shapes (`EarlyPrograms`, 07g_compile)
 
     @property
     def model(self) -> nnx.Module:
@@ -262,8 +270,8 @@ def use_compilation_cache(cfg: RunConfig) -> Path | None:
 
 # %% ../nbs/07b_policy.ipynb
 def setup_run(cfg: RunConfig, *, devices=None, models: dict[str, str] | None = None, task: dict | None = None,
-              announce: bool = False) -> Setup:
-    "The mesh (over `devices`, default all), the tokenizer and the policy of `cfg` on the mesh, and each model of `models` (name -> checkpoint path, loaded as `load_parameters_path` is); the tokenizer checked against every model. `task`: the embedded task as the caller prepared it (default: prepared here when `cfg` trains on it); `announce` (a command's setup) prints `start_line`."
+              announce: bool = False, policy: nnx.Module | None = None) -> Setup:
+    "The mesh (over `devices`, default all), the tokenizer and the policy of `cfg` on the mesh, and each model of `models` (name -> checkpoint path, loaded as `load_parameters_path` is); the tokenizer checked against every model. `task`: the embedded task as the caller prepared it (default: prepared here when `cfg` trains on it); `announce` (a command's setup) prints `start_line`; `policy`: the policy, loaded already (a command loads a random one beside its data, chapter 08c_commands)."
     from maxpost.data import load_tokenizer
     use_compilation_cache(cfg)   # every command (eval too), before its first compilation
     check_inputs(cfg)
@@ -271,7 +279,7 @@ def setup_run(cfg: RunConfig, *, devices=None, models: dict[str, str] | None = N
     default = None if cfg.dataset_name else (task if task is not None else tasks.prepare_embedded_task(cfg))["tokenizer"]
     tok_dir = tokenizer_dir(cfg, default)
     tokenizer = load_tokenizer(tok_dir)
-    loaded = {"policy": load_policy(cfg, mesh)}
+    loaded = {"policy": policy if policy is not None else load_policy(cfg, mesh)}   # `policy`: loaded already (a command)
     for name, path in (models or {}).items():
         loaded[name] = load_policy(dataclasses.replace(cfg, load_parameters_path=path, model_overrides={}), mesh)
     for m in loaded.values(): check_vocab(tokenizer, m.cfg)

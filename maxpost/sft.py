@@ -17,9 +17,10 @@ from .model import LOGITS_CHUNK_SIZE
 from .data import DATA_FORMATS, TRAIN_ON, make_sft_iterator, check_examples
 from .sft_loss import model_sft_loss, target_weights, summarize_metrics
 from .tasks import TASK_VARIANTS, embedded_split, check_held_out
-from .policy import Setup
+from .policy import FullWeights, Setup, lora_options, policy_shapes, set_model_options
 from .timing import flops_per_token
 from .train import Trainer, Prefetcher, compile_step_ahead
+from .optimizer import abstract_opt_state, make_optimizer
 from .commands import start_trainer, train_command
 from .step import make_update_step, split_micro_batches
 from .evaluate import eval_config_for, load_eval_examples
@@ -148,6 +149,26 @@ def build_steps(self: SFTTrainer) -> None:
 def _prepare(self: SFTTrainer, batch: dict) -> tuple:
     "A batch as the step takes it (sharded over the devices), and its tokens: on the prefetch thread."
     return sharding.shard_batch(batch, self.mesh), int((batch["segment_ids"] != 0).sum()) * jax.process_count()
+
+# %% ../nbs/14c_sft.ipynb
+@patch(cls_method=True)
+def early_programs(cls: SFTTrainer, cfg: SFTConfig, mesh) -> dict:
+    "The SFT step from shapes (`Trainer.early_programs`) where the configuration gives every input: random weights, all of them trained, one process, a run not already finished."
+    from maxpost.train import finished_before, remat_pick
+    model = policy_shapes(cfg, mesh)
+    if model is None or lora_options(cfg) is not None or jax.process_count() > 1 or finished_before(cfg): return {}
+    graphdef, params, rest = FullWeights().split(model)
+    tx = make_optimizer(cfg)
+    opt_state = abstract_opt_state(tx, params, mesh)
+    if cfg.remat_policy == "auto":     # what `_start_remat` will pick once the weights and optimizer state are in memory
+        held = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves((params, rest, opt_state)))
+        pick, _ = remat_pick(cfg, model.cfg, params, mesh, not_yet_allocated=held // mesh.devices.size)
+        graphdef, params, rest = FullWeights().split(set_model_options(model, remat=pick))
+    shape = (cfg.global_batch_size, cfg.max_target_length)
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding.batch_sharding(mesh, shape))
+             for k in ("tokens", "segment_ids", "positions", "loss_mask")}
+    step = make_sft_step(graphdef, tx, accum=cfg.gradient_accumulation_steps, z_loss=cfg.z_loss, chunk_size=cfg.logits_chunk_size)
+    return {"step_fn": (graphdef, step, (params, rest, opt_state, batch))}
 
 # %% ../nbs/14c_sft.ipynb
 @patch

@@ -14,9 +14,9 @@ from flax import nnx
 
 # %% auto 0
 __all__ = ['AXES', 'LOGICAL_RULES', 'mesh_shape', 'make_mesh', 'logical_spec', 'active_mesh', 'constrain', 'logical_init',
-           'logical_names', 'param_shardings', 'shard_state', 'shard_model', 'create_sharded', 'batch_sharding',
-           'process_batch_slice', 'shard_batch', 'host_array', 'variable_at', 'init_distributed', 'user_cache_dir',
-           'enable_compilation_cache']
+           'logical_names', 'param_shardings', 'shard_state', 'shard_model', 'create_sharded', 'abstract_sharded',
+           'batch_sharding', 'process_batch_slice', 'shard_batch', 'host_array', 'variable_at', 'init_distributed',
+           'user_cache_dir', 'enable_compilation_cache']
 
 # %% ../nbs/01_sharding.ipynb
 AXES = ("data", "fsdp", "tensor")
@@ -134,14 +134,26 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules=LOGICAL_RULES) -> nnx.Modul
     return model
 
 # %% ../nbs/01_sharding.ipynb
-def create_sharded(make_model: Callable[[], nnx.Module], mesh: Mesh, rules=LOGICAL_RULES) -> nnx.Module:
-    "Build `make_model()` directly on `mesh`: jitted init whose outputs are already sharded."
+def _init_fn(make_model: Callable[[], nnx.Module]) -> tuple[dict, Callable]:
+    "`(box, init)`: `init()` builds the model and returns its state; `box['graphdef']` is its graphdef once it ran."
     box = {}
     def init():
         with nnx.use_eager_sharding(False): box["graphdef"], state = nnx.split(make_model())
         return state
+    return box, init
+
+def create_sharded(make_model: Callable[[], nnx.Module], mesh: Mesh, rules=LOGICAL_RULES) -> nnx.Module:
+    "Build `make_model()` directly on `mesh`: jitted init whose outputs are already sharded."
+    box, init = _init_fn(make_model)
     shardings = param_shardings(jax.eval_shape(init), mesh, rules)  # plain jax.eval_shape: no mesh lookup of names
     return nnx.merge(box["graphdef"], jax.jit(init, out_shardings=shardings)())
+
+def abstract_sharded(make_model: Callable[[], nnx.Module], mesh: Mesh, rules=LOGICAL_RULES) -> nnx.Module:
+    "What `create_sharded` builds, as `jax.ShapeDtypeStruct`s with the same shardings (nothing allocated): enough to compile a step for it."
+    box, init = _init_fn(make_model)
+    shapes = jax.eval_shape(init)
+    shardings = param_shardings(shapes, mesh, rules)
+    return nnx.merge(box["graphdef"], jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes, shardings))
 
 # %% ../nbs/01_sharding.ipynb
 def batch_sharding(mesh: Mesh, shape: Sequence[int] | None = None) -> NamedSharding:

@@ -196,9 +196,9 @@ def _first_step(self: StepTiming, end: float) -> dict:
     parts = {**self.init_parts}
     for k, v in tr.clock.parts.items(): parts[k] = parts.get(k, 0.0) + v
     spans = self.init_spans + tr.clock.spans
-    own = lambda name: parts.get(name, 0.0) - sum(w.seconds(a, b) for n, a, b in spans if n == name)
+    own = lambda name: max(0.0, parts.get(name, 0.0) - sum(w.seconds(a, b) for n, a, b in spans if n == name))   # a part all compile: 0
     start = process_start_time()
-    out = {"startup": tr.started - start, "data": own("data"), "weights": own("weights"),
+    out = {"startup": tr.started - start, "data": own("data"), "backend": own("backend"), "weights": own("weights"),
            "compile": w.seconds(tr.started, end), "compiles": w.programs(tr.started, end),
            "memory_check": own("memory_check"), "first_eval": own("eval"), "resume": own("checkpoint"),
            "logger": own("log"), "total": end - start}

@@ -28,7 +28,7 @@ from .prefetch import Prefetcher   # the kinds import it from here too
 
 # %% auto 0
 __all__ = ['check_finite', 'config_changes', 'check_resume', 'precheck_run_dir', 'RunCheckpoints', 'StopSignal', 'RunStopped',
-           'Trainer', 'compile_step_ahead', 'finished_before']
+           'Trainer', 'remat_pick', 'compile_step_ahead', 'finished_before']
 
 # %% ../nbs/08_train.ipynb
 def check_finite(step: int, loss: float, params_finite, latest_checkpoint: int | None, where) -> None:
@@ -171,12 +171,18 @@ class Trainer:
         self.cfg, s = cfg, setup
         self.mesh, self.tokenizer, self.tok_dir, self.model_cfg = s.mesh, s.tokenizer, s.tokenizer_dir, s.model.cfg
         self.models = {k: m for k, m in s.models.items() if k != "policy"}   # what a kind loaded besides (a teacher)
+        self.early = s.early        # programs the command started from shapes (`compile_step_ahead` takes them)
         with self.clock("weights"):
             self.weights: TrainableWeights = trainable_weights(cfg, self.mesh)   # every weight, or LoRA (07b_policy)
             self.graphdef, self.params, self.rest = self.weights.split(s.model)
             self.tx, self.schedule = make_optimizer(cfg), make_schedule(cfg)
             self.opt_state = init_opt_state(self.tx, self.params, self.mesh)
         self.step, self.latest_checkpoint, self.flops_per_token = 0, None, None
+
+    @classmethod
+    def early_programs(cls, cfg: TrainConfig, mesh) -> dict:
+        "What the command may compile from shapes before the weights and data exist (`EarlyPrograms`, chapter `07g_compile`): name -> `(graphdef, jitted, args)`; a kind whose first program is known from `cfg` alone says so."
+        return {}
 
     @classmethod
     def setup_options(cls, cfg: TrainConfig) -> dict:
@@ -250,21 +256,28 @@ def _step_tokens(cfg: TrainConfig) -> int:
     return cfg.global_batch_size // max(cfg.gradient_accumulation_steps, 1) * seq
 
 # %% ../nbs/08_train.ipynb
+def remat_pick(cfg: TrainConfig, model_cfg, params, mesh, *, not_yet_allocated: int = 0) -> tuple[str, str]:
+    "`remat_to_start` for the step of `cfg`: per device, its tokens, gradients the size of `params` (arrays or shapes) and the free memory, less `not_yet_allocated` bytes when the device reports its own (what a start from shapes has not yet put there)."
+    n = mesh.devices.size
+    grads = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)) // n
+    free, what = device_memory()
+    return remat_to_start(model_cfg, _step_tokens(cfg) // n, grads, free - (not_yet_allocated if what.startswith("free ") else 0))
+
 def _start_remat(tr: Trainer) -> None:
     "With `remat_policy=auto`, before the first compile: start at the least-recompute policy whose estimated activations fit (`remat_to_start`, chapter `07e_memory`), so that a policy that clearly cannot fit is never compiled."
     tr._remat_started = True
     if tr.cfg.remat_policy != "auto": return
-    n = tr.mesh.devices.size
-    grads = sum(x.nbytes for x in jax.tree.leaves(tr.params)) // n
-    pick, line = remat_to_start(tr.model_cfg, _step_tokens(tr.cfg) // n, grads, device_memory()[0])
+    pick, line = remat_pick(tr.cfg, tr.model_cfg, tr.params, tr.mesh)
     if pick != tr.model_cfg.remat and jax.process_index() == 0 and getattr(tr, "progress", True):
         print(f"memory: {line}", file=sys.stderr)   # said only where auto skips a policy
     if pick != tr.model_cfg.remat: _set_remat(tr, pick)
 
 # %% ../nbs/08_train.ipynb
 def compile_step_ahead(tr: Trainer, name: str, *args) -> None:
-    "Start compiling the step `tr.<name>` (a `StepCompiler`) for `args` on a thread (`compile_ahead`), at the remat policy `auto` starts at: chosen here, before the first compile."
+    "Start compiling the step `tr.<name>` (a `StepCompiler`) for `args` on a thread (`compile_ahead`), at the remat policy `auto` starts at: chosen here, before the first compile; or take the program the command started from shapes (`tr.early`) when its model is the same."
     if not getattr(tr, "_remat_started", False): _start_remat(tr)
+    got = tr.early.take(name, tr.graphdef) if getattr(tr, "early", None) is not None else None
+    if got is not None: getattr(tr, name).early[got[0]] = got[1]   # the same program, started from shapes: taken
     compile_ahead(getattr(tr, name), *args, mesh=tr.mesh)
 
 # %% ../nbs/08_train.ipynb

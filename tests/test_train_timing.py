@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model_name=tiny", "train_split=train[:256]", "eval_split=test[:16]", "global_batch_size=8",
          "max_target_length=96", "eval_batches=1", "warmup_steps=2", "learning_rate=3e-3", "eval_num_prompts=0"]
 STEP_PARTS = ("input", "device", "host", "log", "checkpoint", "eval")
-FIRST_PARTS = ("startup", "data", "weights", "compile", "memory_check", "first_eval", "resume", "logger", "first_run")
+FIRST_PARTS = ("startup", "data", "backend", "weights", "compile", "memory_check", "first_eval", "resume", "logger", "first_run")
 
 
 def test_the_parts_add_up_to_the_wall_step_and_to_the_first_step(tmp_path):
@@ -41,7 +41,8 @@ def test_the_parts_add_up_to_the_wall_step_and_to_the_first_step(tmp_path):
     named = sum(first[k] for k in FIRST_PARTS)
     # (how many programs were compiled depends on what the persistent cache already holds: the rerun test counts them)
     assert abs(named + first["other"] - first["total"]) < 1e-6 and isinstance(first["compiles"], int), first
-    assert first["data"] > 0 and first["weights"] > 0 and first["compile"] > 0 and first["memory_check"] > 0
+    # (the weights of a random policy are made on a thread beside the data: what is left of them may be all compile)
+    assert first["data"] > 0 and first["weights"] >= 0 and first["compile"] > 0 and first["memory_check"] > 0
     assert first["first_run"] > 0
     assert first["startup"] > 0 and first["total"] > first["startup"]
     steps = rec["steps"]
