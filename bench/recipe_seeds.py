@@ -78,17 +78,18 @@ def rollout_totals(run: Path) -> dict:
     sampled completions' mean length), groups of zero reward spread (dropped by dynamic sampling, or trained on with
     advantage 0 without it: frac_reward_zero_std of each step's groups) and group slots left empty."""
     import yaml
+    if not (run / "metrics.jsonl").exists(): return {}
     cfg = yaml.safe_load((run / "config.yml").read_text())
     B, G, steps = cfg["global_batch_size"], cfg["num_generations"], cfg["steps"]
     recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if '"kind": "train"' in l]
     if len(recs) != steps: return {}
     rounds = [r.get("dynamic_sampling/rounds", 1) for r in recs]
     zero = [r["dynamic_sampling/groups_dropped"] if "dynamic_sampling/rounds" in r
-            else round(r["frac_reward_zero_std"] * B // G) for r in recs]
+            else round(r["frac_reward_zero_std"] * (B // G)) for r in recs]
     return {"steps": steps, "rollout_rounds": sum(rounds), "completions_sampled": sum(rounds) * B,
             "completion_tokens_sampled": round(sum(n * B * r["completions/mean_length"] for n, r in zip(rounds, recs))),
             "zero_spread_groups": sum(zero), "groups_trained": steps * B // G,
-            "empty_slots": round(sum((1 - r.get("dynamic_sampling/filled_fraction", 1.0)) * B // G for r in recs))}
+            "empty_slots": round(sum((1 - r.get("dynamic_sampling/filled_fraction", 1.0)) * (B // G) for r in recs))}
 
 
 def summary(per_seed: dict, seeds: list[str], today: list[str]) -> dict:
