@@ -26,6 +26,8 @@ RECIPES = {                           # recipe: (record file, the command's keys
     "cispo": ("rl_recipes.json", ["rl", "loss_algo=cispo"]),
     "rloo": ("rl_recipes.json", ["rl", "advantage_estimator=rloo"]),
     "kto": ("kto_embedded.json", ["dpo", "loss_type=kto"]),
+    "dapo_ds": ("rl_recipes.json", ["rl", "dynamic_sampling=true", "log_period=1"]),   # every step's dynamic_sampling/*
+    "grpo_logged": ("rl_recipes.json", ["rl", "log_period=1"]),   # GRPO beside dapo_ds: same host, every step logged
     "grpo": ("recipe_seeds_baselines.json", ["rl"]),     # the baselines, the same way: the main job's GRPO and DPO
     "dpo": ("recipe_seeds_baselines.json", ["dpo"]),
 }
@@ -70,6 +72,26 @@ def parse(log: Path) -> dict:
     return {"pass@1_before": float(m[1]), "pass@1_after": float(m[2]), "printed": printed} if m else {"printed": printed}
 
 
+def rollout_totals(run: Path) -> dict:
+    """What a run sampled and wasted, summed over its steps from metrics.jsonl (only when every step was logged,
+    log_period=1): rollout rounds, completions and completion tokens sampled (rounds x global_batch_size x the
+    sampled completions' mean length), groups of zero reward spread (dropped by dynamic sampling, or trained on with
+    advantage 0 without it: frac_reward_zero_std of each step's groups) and group slots left empty."""
+    import yaml
+    if not (run / "metrics.jsonl").exists(): return {}
+    cfg = yaml.safe_load((run / "config.yml").read_text())
+    B, G, steps = cfg["global_batch_size"], cfg["num_generations"], cfg["steps"]
+    recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if '"kind": "train"' in l]
+    if len(recs) != steps: return {}
+    rounds = [r.get("dynamic_sampling/rounds", 1) for r in recs]
+    zero = [r["dynamic_sampling/groups_dropped"] if "dynamic_sampling/rounds" in r
+            else round(r["frac_reward_zero_std"] * (B // G)) for r in recs]
+    return {"steps": steps, "rollout_rounds": sum(rounds), "completions_sampled": sum(rounds) * B,
+            "completion_tokens_sampled": round(sum(n * B * r["completions/mean_length"] for n, r in zip(rounds, recs))),
+            "zero_spread_groups": sum(zero), "groups_trained": steps * B // G,
+            "empty_slots": round(sum((1 - r.get("dynamic_sampling/filled_fraction", 1.0)) * (B // G) for r in recs))}
+
+
 def summary(per_seed: dict, seeds: list[str], today: list[str]) -> dict:
     "Mean and sample standard deviation over `seeds` of pass@1 after and of the gain; the mean wall time of the runs in `today` (one host load)."
     after = [per_seed[s]["pass@1_after"] for s in seeds]
@@ -88,7 +110,10 @@ def summary(per_seed: dict, seeds: list[str], today: list[str]) -> dict:
             "wall_min": round(statistics.mean(per_seed[s]["wall_s"] / 60 for s in today), 1) if today else None,
             "wall_min_of": "mean over the runs of " + ", ".join(
                                "seed 0 (rerun)" if s == "0_rerun" else f"seed {s}" for s in sorted(today))
-                           + ": one host load, in the runs' per_seed load averages"}
+                           + ": one host load, in the runs' per_seed load averages",
+            **({"rollout_totals_mean": {k: round(statistics.mean(per_seed[s]["rollout_totals"][k] for s in seeds), 1)
+                                        for k in per_seed[seeds[0]]["rollout_totals"]}}
+               if all(per_seed[s].get("rollout_totals") for s in seeds) else {})}
 
 
 def record(base: Path):
@@ -109,8 +134,10 @@ def record(base: Path):
             info = json.loads(side.read_text())
             info |= {k: [round(x, 2) for x in info[k]] for k in ("load_average_start", "load_average_end")}
             ours = seed != "0" or fresh or "started" in per_seed.get("0", {})   # else a rerun of the record's seed 0
+            totals = rollout_totals(base / f"s{seed}" / f"embedded-{side.stem}")
             per_seed[seed if ours else "0_rerun"] = {**info, "wall_min": round(info["wall_s"] / 60, 1),
-                                                     **parse(base / f"{side.stem}.log")}
+                                                     **parse(base / f"{side.stem}.log"),
+                                                     **({"rollout_totals": totals} if totals else {})}
         seeds = [s for s in ("0", "1", "2") if s in per_seed]
         today = [s for s in ("0_rerun", "1", "2") if s in per_seed] + (["0"] if "started" in per_seed.get("0", {}) else [])
         entry["mean"] = summary(per_seed, seeds, today)

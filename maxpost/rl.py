@@ -17,7 +17,8 @@ from . import sharding
 from .model import LOGITS_CHUNK_SIZE
 from .data import PromptIterator
 from .advantages import ADVANTAGE_ESTIMATORS, SCALES, group_advantages, rloo_advantages
-from .shaping import is_truncated, mask_truncated_completions, overlong_penalty
+from .shaping import (fill_groups, filled_rows, groups_with_spread, is_truncated, mask_truncated_completions,
+                             overlong_penalty)
 from .policy_loss import CISPO_EPSILONS, KL_ESTIMATORS, LOSS_AGG_CHOICES, POLICY_LOSS_ALGOS, policy_loss
 from .sampler_correction import IMPORTANCE_SAMPLING_MODES, importance_weights
 from .rewards import (REWARD_ISOLATION, as_reward_specs, compute_rewards, correctness_reward, start_reward_workers,
@@ -35,12 +36,13 @@ from .commands import start_trainer, train_command
 from .step import make_update_step, ReferencePolicy
 
 # %% auto 0
-__all__ = ['DEFAULT_EPSILONS', 'DEFAULT_IMPORTANCE_SAMPLING', 'STALE_IMPORTANCE_SAMPLING', 'ROLLOUT_ENGINES', 'KIND',
-           'resolve_epsilons', 'default_loss_agg_mode', 'loss_options', 'completion_width',
-           'default_importance_sampling', 'RLConfig', 'recipe_problems', 'RolloutEngine', 'SamplerEngine',
-           'make_engine', 'sampling_options', 'correction_options', 'replays_kept_set', 'rollout_metrics',
-           'group_mini_batches', 'make_rl_step', 'make_logps_pass', 'prompt_bucket', 'rollout_advantages',
-           'shape_completions', 'RLTrainer', 'episode_batch', 'train_rl', 'main']
+__all__ = ['DEFAULT_EPSILONS', 'DEFAULT_IMPORTANCE_SAMPLING', 'STALE_IMPORTANCE_SAMPLING', 'ROLLOUT_ENGINES',
+           'MAX_SAMPLING_ROUNDS', 'KIND', 'resolve_epsilons', 'default_loss_agg_mode', 'loss_options',
+           'completion_width', 'default_importance_sampling', 'RLConfig', 'recipe_problems', 'RolloutEngine',
+           'SamplerEngine', 'make_engine', 'sampling_options', 'correction_options', 'replays_kept_set',
+           'rollout_metrics', 'group_mini_batches', 'make_rl_step', 'make_logps_pass', 'prompt_bucket',
+           'rollout_advantages', 'shape_completions', 'RLTrainer', 'merge_round_metrics', 'episode_batch', 'train_rl',
+           'main']
 
 # %% ../nbs/15_rl.ipynb
 DEFAULT_EPSILONS = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "gspo-token": (3e-4, 4e-4), "cispo": CISPO_EPSILONS}
@@ -115,6 +117,8 @@ class _RLLossKeys:
         help="rows per optimizer step within a rollout batch (whole groups); 0 = all")
 
 # %% ../nbs/15_rl.ipynb
+MAX_SAMPLING_ROUNDS = 4   # dynamic sampling's rounds per step at most, by default (DAPO / verl: max_num_gen_batches)
+
 @dataclass
 class _RLRolloutKeys(_RLLossKeys):
     "RL's keys of the rewards and the rollouts: the rest of `RLConfig`."
@@ -132,6 +136,13 @@ class _RLRolloutKeys(_RLLossKeys):
     max_failed_steps: int = key(3, non_negative=True,
         help="stop (exit 2, with the first error) after this many steps in a row in which every item failed: every "
              "episode erred, or a reward function failed on every item; 0 = never stop")
+    dynamic_sampling: bool = key(False,
+        help="DAPO's dynamic sampling: drop the groups whose G rewards are all equal (advantage 0), roll out the next "
+             "prompts until the batch's groups are filled or max_sampling_rounds rounds were made, then train, empty "
+             "slots masked; reward and rollout metrics describe every round sampled (dynamic_sampling/* metrics)")
+    max_sampling_rounds: int = key(MAX_SAMPLING_ROUNDS, positive=True,
+        help="with dynamic_sampling, rollout rounds per step at most, the first included (DAPO / verl's "
+             "max_num_gen_batches); default 4")
     rollout_engine: str = key("maxpost", choices=ROLLOUT_ENGINES,
         help="the sampler of the rollouts: maxpost's own, or vLLM")
     importance_sampling_mode: Optional[str] = key(None, choices=IMPORTANCE_SAMPLING_MODES,
@@ -223,7 +234,7 @@ def problems(self: RLConfig) -> list[str]:
 
 # %% ../nbs/15_rl.ipynb
 def recipe_problems(cfg: RLConfig) -> list[str]:
-    "The problems of the keys of the recipes (RLOO, DAPO's overlong shaping): each one where it does not apply."
+    "The problems of the keys of the recipes (RLOO, DAPO's overlong shaping and dynamic sampling): each one where it does not apply."
     out, est, buf, L = [], cfg.advantage_estimator, cfg.overlong_buffer_length, cfg.max_completion_length
     if est == "gae":
         out.append("advantage_estimator=gae needs a critic (a value model), which maxpost rl does not train yet; "
@@ -240,6 +251,9 @@ def recipe_problems(cfg: RLConfig) -> list[str]:
     if not buf and cfg.overlong_penalty_factor != 1.0:
         out.append(f"overlong_penalty_factor={cfg.overlong_penalty_factor} scales the soft overlong penalty, which is "
                    "off: set overlong_buffer_length > 0 too")
+    if not cfg.dynamic_sampling and cfg.max_sampling_rounds != MAX_SAMPLING_ROUNDS:
+        out.append(f"max_sampling_rounds={cfg.max_sampling_rounds} bounds the rounds of dynamic sampling, which is off: "
+                   "set dynamic_sampling=true too, or remove max_sampling_rounds")
     if cfg.environment and (buf or cfg.mask_truncated_completions):
         out.append("overlong_buffer_length and mask_truncated_completions shape single-turn completions; with "
                    f"environment={cfg.environment} episodes end at max_episode_tokens: remove them")
@@ -486,10 +500,16 @@ def build_steps(self: RLTrainer) -> None:
 # %% ../nbs/15_rl.ipynb
 @patch
 def rollout(self: RLTrainer, index: int | None = None, engine: RolloutEngine | None = None) -> dict:
-    "Sample this step's prompts and completions, score them, and build the training batch (numpy); `index` (default: the step) seeds the sampler, `engine` (default: `self.engine`) generates."
+    "Sample this step's prompts and completions, score them, and build the training batch (numpy); `index` (default: the step) seeds the sampler, `engine` (default: `self.engine`) generates; with `dynamic_sampling`, rounds of it refill the batch (`_dynamic_rollout`, below)."
+    index = self.step if index is None else index
+    return self._dynamic_rollout(index, engine) if self.cfg.dynamic_sampling else self._rollout_round(index, engine)
+
+@patch
+def _rollout_round(self: RLTrainer, index: int, engine: RolloutEngine | None = None) -> dict:
+    "One rollout of the next prompts, seeded by `index`; `rewards` are the totals the advantages were computed from."
     cfg, G = self.cfg, self.cfg.num_generations
     examples = self.prompts.next(cfg.global_batch_size // G)
-    data_state, index = self.prompts.state(), self.step if index is None else index
+    data_state = self.prompts.state()
     if self.environment is not None: return self._episode_rollout(examples, index, engine, data_state)
     t0 = time.perf_counter()
     r = (engine or self.engine).generate(prompt_token_ids(self.tokenizer, [e["question"] for e in examples],
@@ -512,7 +532,67 @@ def rollout(self: RLTrainer, index: int | None = None, engine: RolloutEngine | N
         batch["num_kept"] = r.num_kept
         info["sampling/kept_mass/mean"] = float(np.exp(r.log_kept_mass)[r.completion_mask > 0].mean())
     return dict(batch=batch, sampler_logps=r.per_token_logps, info=info, text=r.text, examples=examples,
-                data_state=data_state)   # the prompts' position once this rollout is trained on
+                data_state=data_state, rewards=np.asarray(total, np.float32))   # the prompts' position once this rollout is trained on
+
+# %% ../nbs/15_rl.ipynb
+_ROUND_SEEDS = 2 ** 20   # round r of a rollout seeded by index s samples with the seed of index s + r * _ROUND_SEEDS
+
+def _refill(buffer, filled, rows, rewards_pg, num_generations: int):
+    "One round of dynamic sampling as one program: `rows`' groups with spread appended to `buffer` (`fill_groups`), every row past the filled groups out of the loss (completion mask and advantage 0); (buffer, filled, keep)."
+    keep = groups_with_spread(rewards_pg)
+    buffer, filled = fill_groups(buffer, filled, rows, keep, num_generations)
+    live = filled_rows(filled, rewards_pg.shape[0], num_generations)
+    return buffer | {"completion_mask": jnp.where(live[:, None], buffer["completion_mask"], 0),
+                     "advantages": jnp.where(live, buffer["advantages"], 0.0)}, filled, keep
+
+_refill_fn = jax.jit(_refill, static_argnums=4)
+
+def _widen(rows: dict, width: int, pad_id: int) -> dict:
+    "`rows` with `prompt_ids` / `prompt_mask` left-padded to `width` (a round whose prompts fell in a smaller bucket)."
+    n = width - rows["prompt_ids"].shape[1]
+    if n <= 0: return rows
+    pad = lambda x, v: np.pad(x, ((0, 0), (n, 0)), constant_values=v)
+    return rows | {"prompt_ids": pad(rows["prompt_ids"], pad_id), "prompt_mask": pad(rows["prompt_mask"], 0)}
+
+
+# %% ../nbs/15_rl.ipynb
+def merge_round_metrics(infos: Sequence[dict]) -> dict:
+    "One step's rollout metrics from those of its rounds (each over the same number of rows): counts and seconds summed, extremes taken, every other metric averaged (a mean over all that was sampled)."
+    summed = lambda k: (k in ("num_tokens", "truncated_prompts", "episodes/env_errors", "episodes/cut_messages")
+                        or k.startswith("timing/") or k.endswith(("/failures", "/timeout", "/seconds")))
+    out = {}
+    for k in infos[0]:
+        v = [i[k] for i in infos if k in i]
+        out[k] = (sum(v) if summed(k) else min(v) if k.endswith("/min_length") else
+                  max(v) if k.endswith(("/max_length", "/abs_max", "/max")) else float(np.mean(v)))
+    return out
+
+
+# %% ../nbs/15_rl.ipynb
+@patch
+def _dynamic_rollout(self: RLTrainer, index: int, engine: RolloutEngine | None = None) -> dict:
+    "`rollout` with `dynamic_sampling`: rounds of `_rollout_round` (the next prompts each) whose groups with spread fill the batch's group slots, until all are filled or `max_sampling_rounds` rounds were made; empty slots are rows out of the loss."
+    cfg, G, B, pad = self.cfg, self.cfg.num_generations, self.cfg.global_batch_size, self.sampling["pad_id"]
+    P, rounds, buf, filled, dropped = B // G, [], None, np.int32(0), 0
+    while len(rounds) < cfg.max_sampling_rounds and filled < P:
+        ro = self._rollout_round(index + len(rounds) * _ROUND_SEEDS, engine)
+        rows = {**ro["batch"], "sampler_logps": ro["sampler_logps"], "rewards": ro["rewards"],
+                "row": np.arange(B, dtype=np.int32) + len(rounds) * B}      # which sampled completion a row holds
+        width = max(rows["prompt_ids"].shape[1], 0 if buf is None else buf["prompt_ids"].shape[1])
+        buf = _widen({**rows, "row": np.full(B, -1, np.int32)} if buf is None else buf, width, pad)   # -1: empty
+        buf, filled, keep = _refill_fn(buf, filled, _widen(rows, width, pad), ro["rewards"].reshape(P, G), G)
+        buf, filled = jax.tree.map(np.asarray, buf), np.int32(filled)
+        dropped, rounds = dropped + int((~np.asarray(keep)).sum()), rounds + [ro]
+    info = merge_round_metrics([ro["info"] for ro in rounds])
+    sampled = np.concatenate([ro["rewards"] for ro in rounds])
+    info |= {"reward_std": float(sampled.std(ddof=1)) if sampled.size > 1 else 0.0,
+             "advantages/std": float(np.concatenate([ro["batch"]["advantages"] for ro in rounds]).std()),
+             "dynamic_sampling/groups_dropped": dropped, "dynamic_sampling/rounds": len(rounds),
+             "dynamic_sampling/prompts_drawn": len(rounds) * P, "dynamic_sampling/filled_fraction": int(filled) / P}
+    lists = {k: [x for ro in rounds for x in ro[k]] for k in ("text", "examples", "messages", "env_errors") if k in ro}
+    return dict(batch={k: buf[k] for k in ro["batch"]}, sampler_logps=buf["sampler_logps"], rewards=buf["rewards"],
+                rows=buf["row"], info=info, data_state=ro["data_state"], **lists)
+
 
 # %% ../nbs/15_rl.ipynb
 @patch
@@ -609,7 +689,7 @@ def _episode_rollout(self: RLTrainer, examples: list[dict], index: int, engine, 
             "rewards/environment/mean": float(ep.rewards.mean()), "timing/rollout": t_roll,
             "truncated_prompts": ep.num_truncated_prompts, "num_tokens": int(ep.prompt_mask.sum() + batch["completion_mask"].sum())}
     return dict(batch=batch, sampler_logps=ep.per_token_logps, info=info, text=ep.text, examples=examples,
-                data_state=data_state, messages=ep.messages, env_errors=ep.env_errors)
+                data_state=data_state, messages=ep.messages, env_errors=ep.env_errors, rewards=total)
 
 # %% ../nbs/15_rl.ipynb
 import logging

@@ -53,3 +53,20 @@ def test_a_failed_seed_fails_the_mean(tmp_path, monkeypatch):
     recipe_seeds.record(runs)
     m = json.loads((root / "bench" / "results" / "base.json").read_text())["commands"]["grpo"]["mean"]
     assert m["exit_code"] == 1 and m["seeds"] == [0, 1, 2]
+
+
+def test_rollout_totals_sum_every_logged_step(tmp_path):
+    """What a run sampled, from its metrics.jsonl: a dynamic-sampling step counts its rounds, dropped groups and empty
+    slots; a plain GRPO step one round and frac_reward_zero_std of its groups; a run not logged at every step none."""
+    run = tmp_path / "r"; run.mkdir()
+    (run / "config.yml").write_text("global_batch_size: 16\nnum_generations: 4\nsteps: 2\n")
+    recs = [{"step": 0, "kind": "eval"},
+            {"step": 1, "kind": "train", "completions/mean_length": 10.0, "dynamic_sampling/rounds": 3,
+             "dynamic_sampling/groups_dropped": 5, "dynamic_sampling/filled_fraction": 0.75, "frac_reward_zero_std": 0.4},
+            {"step": 2, "kind": "train", "completions/mean_length": 20.0, "frac_reward_zero_std": 0.5}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    t = recipe_seeds.rollout_totals(run)
+    assert t == {"steps": 2, "rollout_rounds": 4, "completions_sampled": 64, "completion_tokens_sampled": 3 * 16 * 10 + 16 * 20,
+                 "zero_spread_groups": 5 + 2, "groups_trained": 8, "empty_slots": 1}, t
+    (run / "config.yml").write_text("global_batch_size: 16\nnum_generations: 4\nsteps: 3\n")
+    assert recipe_seeds.rollout_totals(run) == {} and recipe_seeds.rollout_totals(tmp_path / "none") == {}

@@ -178,6 +178,8 @@ def test_masked_truncated_completions_leave_the_loss_but_not_the_baseline(tmp_pa
     (["mask_truncated_completions=true", "environment=calculator"], "with environment=calculator"),
     (["overlong_buffer_length=4", "environment=calculator"], "with environment=calculator"),
     (["loss_algo=cipso"], "loss_algo='cipso' is not one of"),
+    (["max_sampling_rounds=8"], "max_sampling_rounds=8 bounds the rounds of dynamic sampling, which is off"),
+    (["dynamic_sampling=true", "max_sampling_rounds=0"], "max_sampling_rounds=0 must be > 0"),
 ])
 def test_each_new_key_is_refused_where_it_does_not_apply(tmp_path, extra, says):
     with pytest.raises(ConfigError, match=None) as e: rl_cfg(tmp_path, *extra)
