@@ -118,10 +118,12 @@ def build_steps(self: PPOTrainer) -> None:
 @patch
 def _update(self: PPOTrainer, ro: dict) -> dict:
     cfg, batch, G = self.cfg, dict(ro["batch"]), self.cfg.num_generations
-    t0, dev = time.perf_counter(), sharding.shard_batch(batch, self.mesh)
-    values = self.run_step("values_fn", self.critic_params, self.critic_rest, dev)
+    dev = sharding.shard_batch({**batch, "advantages": np.zeros(batch["completion_mask"].shape, np.float32),   # as the
+                                "sampler_logps": np.asarray(ro["sampler_logps"], np.float32)}, self.mesh)  # update's passes
+    values = self.run_step("values_fn", self.critic_params, self.critic_rest,    # the inputs its program was compiled for
+                           {k: v for k, v in dev.items() if k not in ("advantages", "sampler_logps")})
     kl = None
-    if self.reference is not None:    # beta > 0: the KL penalty per token, in the rewards
+    if self.reference is not None:    # beta > 0: the KL penalty per token, in the rewards (RLTrainer's log-prob pass)
         kl = estimate_kl(self.run_step("logps_pass", self.params, self.rest, dev)[0], self.reference.logps(dev), cfg.kl_estimator)
     adv, returns, rewards = self.gae_fn(batch["advantages"], batch["completion_mask"], values, kl)   # the scores [B]
     batch |= dict(advantages=np.asarray(adv), old_values=np.asarray(values), returns=np.asarray(returns))
@@ -166,7 +168,7 @@ def _compile_programs_ahead(self: PPOTrainer) -> None:
     compile_ahead(self.critic_step, self.critic_params, self.critic_rest, self.critic_opt_state,
                   {k: v for k, v in critic_batch.items() if k != "num_kept"}, mesh=self.mesh)
     compile_ahead(self.values_fn, self.critic_params, self.critic_rest, batch(B), mesh=self.mesh)
-    if prox or self.reference is not None: compile_ahead(self.logps_pass, self.params, self.rest, batch(B, "sampler_logps"), mesh=self.mesh)
+    if prox or self.reference is not None: compile_ahead(self.logps_pass, self.params, self.rest, batch(B, "advantages", "sampler_logps"), mesh=self.mesh)
     if isinstance(self.engine, SamplerEngine):
         knobs = (np.float32(cfg.temperature), np.int32(cfg.top_k), np.float32(cfg.top_p),
                  stop_id_array(self.sampling["eos_ids"]), np.int32(self.sampling["pad_id"]))

@@ -81,6 +81,37 @@ def test_the_update_s_advantages_are_gae_of_the_critic_s_values(tmp_path):
                                (numpy_gae(scores, values.astype(np.float64), mask, 0.99, 0.9) + values)[mask > 0], atol=2e-5)
 
 
+def numpy_k3(lp, ref):
+    "Schulman's k3 estimate of KL[pi || pi_ref] per token: exp(ref - lp) - (ref - lp) - 1."
+    d = ref.astype(np.float64) - lp.astype(np.float64)
+    return np.exp(d) - d - 1
+
+
+def test_with_beta_the_kl_penalty_is_a_reward_on_every_token(tmp_path):
+    "beta > 0: r_t = -beta k3_t on every completion token, plus the score on the last (TRL's PPOTrainer), and no KL term in the loss."
+    tr = trainer(tmp_path, "beta=0.5", "num_iterations=2", "learning_rate=3e-3")
+    tr.update(tr.rollout()); tr.step += 1            # the policy moves away from the reference
+    ro = tr.rollout()
+    scores, mask = np.asarray(ro["batch"]["advantages"]), ro["batch"]["completion_mask"]
+    info = tr.update(ro)
+    lp, ref = tr.last_batch["old_per_token_logps"], tr.last_batch["ref_per_token_logps"]
+    kl = np.where(mask > 0, numpy_k3(lp, ref), 0.0)
+    assert kl[mask > 0].mean() > 1e-4                # a penalty that matters
+    np.testing.assert_allclose(info["kl"], kl[mask > 0].mean(), rtol=1e-3)
+    values, rewards = tr.last_critic_batch["old_values"].astype(np.float64), -0.5 * kl
+    for b in range(len(scores)):
+        if mask[b].any(): rewards[b, np.nonzero(mask[b])[0][-1]] += scores[b]
+    adv = np.zeros_like(values)                      # the same loop as numpy_gae, on per-token rewards
+    for b in range(len(scores)):
+        nxt_v = nxt_a = 0.0
+        for t in np.nonzero(mask[b])[0][::-1]:
+            adv[b, t] = nxt_a = rewards[b, t] + nxt_v - values[b, t] + 0.95 * nxt_a
+            nxt_v = values[b, t]
+    np.testing.assert_allclose(tr.last_batch["advantages"], numpy_whiten(adv, mask), atol=5e-5)
+    for m in tr.last_update_metrics:                 # and not in the loss: the policy's loss is its surrogate alone
+        assert m["loss/kl"] > 0 and abs(m["loss"] - m["loss/policy"]) < 1e-7, m
+
+
 def test_the_value_loss_is_the_clipped_formula_of_the_values_before_and_after(tmp_path):
     tr = trainer(tmp_path, "num_iterations=2", "cliprange_value=0.01", "vf_coef=0.5")
     seen, step = [], tr.critic_step
