@@ -100,7 +100,8 @@ class _RLLossKeys:
         help="what the group-relative advantage is divided by: the group's std, the batch's, or nothing")
     advantage_estimator: str = key("grpo", choices=ADVANTAGE_ESTIMATORS,
         help="grpo: the reward minus its group's mean (scaled per advantage_scale); rloo: minus the mean of the "
-             "group's other rewards (the leave-one-out baseline of RLOO)")
+             "group's other rewards (the leave-one-out baseline of RLOO); gae: PPO, a critic's values and GAE per "
+             "token (chapter 15f_ppo)")
     normalize_advantages: bool = key(False,
         help="with advantage_estimator=rloo, whiten the advantages over the batch (TRL's RLOO normalize_advantages)")
     mask_truncated_completions: bool = key(False,
