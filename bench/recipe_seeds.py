@@ -25,6 +25,7 @@ TASK = Path(os.environ.get("TASK", "maxpost_runs/embedded_task"))   # the main j
 RECIPES = {                           # recipe: (record file, the command's keys, as the seed-0 record gives them)
     "cispo": ("rl_recipes.json", ["rl", "loss_algo=cispo"]),
     "rloo": ("rl_recipes.json", ["rl", "advantage_estimator=rloo"]),
+    "ppo": ("rl_recipes.json", ["rl", "advantage_estimator=gae"]),   # PPO with a critic (chapter 15f_ppo), seeds 0-2 all by `run`
     "kto": ("kto_embedded.json", ["dpo", "loss_type=kto"]),
     "dapo_ds": ("rl_recipes.json", ["rl", "dynamic_sampling=true", "log_period=1"]),   # every step's dynamic_sampling/*
     "grpo_logged": ("rl_recipes.json", ["rl", "log_period=1"]),   # GRPO beside dapo_ds: same host, every step logged

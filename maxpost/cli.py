@@ -20,7 +20,7 @@ __all__ = ['KIND_MODULES', 'ENTRY_POINT_GROUP', 'EXIT_CODES', 'kind_entry_points
            'command_help', 'show_config', 'exit_code', 'quiet_libraries', 'one_line_warnings', 'main']
 
 # %% ../nbs/17_cli.ipynb
-KIND_MODULES = {"sft": ("maxpost.sft",), "eval": ("maxpost.eval_command",), "rl": ("maxpost.rl", "maxpost.async_rl"),
+KIND_MODULES = {"sft": ("maxpost.sft",), "eval": ("maxpost.eval_command",), "rl": ("maxpost.rl", "maxpost.async_rl", "maxpost.ppo"),
                 "dpo": ("maxpost.dpo",), "distill": ("maxpost.distill",), "reward": ("maxpost.reward",)}   # kind -> its module(s), in book order
 ENTRY_POINT_GROUP = "maxpost.kinds"   # another package's kinds: entry points naming the module that registers one
 

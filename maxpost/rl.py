@@ -17,6 +17,7 @@ from . import sharding
 from .model import LOGITS_CHUNK_SIZE
 from .data import PromptIterator
 from .advantages import ADVANTAGE_ESTIMATORS, SCALES, group_advantages, rloo_advantages
+from .value import _RLValueKeys   # PPO's keys (advantage_estimator=gae; its trainer: chapter 15f_ppo)
 from .shaping import (fill_groups, filled_rows, groups_with_spread, is_truncated, mask_truncated_completions,
                              overlong_penalty)
 from .policy_loss import CISPO_EPSILONS, KL_ESTIMATORS, LOSS_AGG_CHOICES, POLICY_LOSS_ALGOS, policy_loss
@@ -101,7 +102,8 @@ class _RLLossKeys:
         help="what the group-relative advantage is divided by: the group's std, the batch's, or nothing")
     advantage_estimator: str = key("grpo", choices=ADVANTAGE_ESTIMATORS,
         help="grpo: the reward minus its group's mean (scaled per advantage_scale); rloo: minus the mean of the "
-             "group's other rewards (the leave-one-out baseline of RLOO)")
+             "group's other rewards (the leave-one-out baseline of RLOO); gae: PPO, a critic's values and GAE per "
+             "token (chapter 15f_ppo)")
     normalize_advantages: bool = key(False,
         help="with advantage_estimator=rloo, whiten the advantages over the batch (TRL's RLOO normalize_advantages)")
     mask_truncated_completions: bool = key(False,
@@ -167,7 +169,7 @@ class _RLRolloutKeys(_RLLossKeys):
 
 # %% ../nbs/15_rl.ipynb
 @dataclass
-class RLConfig(_RLRolloutKeys, EpisodeConfig, TrainConfig, GenerationConfig):
+class RLConfig(_RLValueKeys, _RLRolloutKeys, EpisodeConfig, TrainConfig, GenerationConfig):
     "Reinforcement learning with group-relative policy optimisation (GRPO, GSPO)."
 
 # %% ../nbs/15_rl.ipynb
@@ -236,9 +238,6 @@ def problems(self: RLConfig) -> list[str]:
 def recipe_problems(cfg: RLConfig) -> list[str]:
     "The problems of the keys of the recipes (RLOO, DAPO's overlong shaping and dynamic sampling): each one where it does not apply."
     out, est, buf, L = [], cfg.advantage_estimator, cfg.overlong_buffer_length, cfg.max_completion_length
-    if est == "gae":
-        out.append("advantage_estimator=gae needs a critic (a value model), which maxpost rl does not train yet; "
-                   "use advantage_estimator=grpo or rloo")
     if cfg.normalize_advantages and est != "rloo":
         out.append(f"normalize_advantages=true whitens RLOO's advantages but advantage_estimator={est}; set "
                    "advantage_estimator=rloo, or scale group-relative advantages with advantage_scale")

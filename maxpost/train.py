@@ -195,6 +195,8 @@ class Trainer:
     def restore_data(self, state: dict) -> None: pass
     def after_restore(self) -> None: pass
     def close(self) -> None: pass
+    def trained_models(self) -> dict: return {}   # name -> (params, opt_state) of what a kind trains besides the policy (PPO's critic)
+    def restore_trained(self, state: dict) -> None: pass   # those, as a resume restores them
     memory_knobs = ("remat_policy=full, a larger gradient_accumulation_steps, a smaller logits_chunk_size, a smaller "
                     "global_batch_size, or more devices (fsdp_parallelism)")
 
@@ -281,10 +283,17 @@ def compile_step_ahead(tr: Trainer, name: str, *args) -> None:
     compile_ahead(getattr(tr, name), *args, mesh=tr.mesh)
 
 # %% ../nbs/08_train.ipynb
+def _saved_opt_state(tr: Trainer):
+    "A checkpoint's `opt_state` item: the policy's optimizer state, or with other trained models (`trained_models`) a dict of it (`policy`) and of theirs by name."
+    others = tr.trained_models()
+    return {"policy": tr.opt_state, **others} if others else tr.opt_state
+
 def _resume(tr: Trainer, ckpts: RunCheckpoints) -> None:
-    restored = ckpts.restore_latest(tr.params, tr.opt_state)
+    restored = ckpts.restore_latest(tr.params, _saved_opt_state(tr))
     if restored is None: return
     tr.params, tr.opt_state, meta = restored
+    if tr.trained_models():
+        tr.restore_trained({k: v for k, v in tr.opt_state.items() if k != "policy"}); tr.opt_state = tr.opt_state["policy"]
     tr.weights.check_restore(meta, ckpts.dir / "checkpoints")
     tr.restore_data(meta["data"]); tr.step = tr.latest_checkpoint = int(meta["step"])
     tr.after_restore()
@@ -331,7 +340,7 @@ def _steps(tr: Trainer, ckpts: RunCheckpoints, log: MetricsLogger) -> tuple:
     def save():
         check()
         with clock("checkpoint"):
-            ckpts.save(tr.step, tr.params, tr.opt_state, {"data": tr.data_state(), "seed": cfg.seed, **tr.weights.checkpoint_meta()})
+            ckpts.save(tr.step, tr.params, _saved_opt_state(tr), {"data": tr.data_state(), "seed": cfg.seed, **tr.weights.checkpoint_meta()})
         tr.latest_checkpoint = tr.step
     last, final = {}, {}
     if tr.eval_at_start and tr.step == 0:
@@ -374,7 +383,7 @@ def _fit(tr: Trainer, progress: bool) -> dict:
     "The loop of `Trainer.fit` (inside the run lock)."
     cfg, clock = tr.cfg, tr.clock
     with clock("checkpoint"):   # before the first step: the checkpoint manager, and a resume's restore
-        ckpts = RunCheckpoints(cfg, tr.model_cfg, tr.tok_dir, save_concurrent_gb=save_limit_gb(tr.params, tr.opt_state))
+        ckpts = RunCheckpoints(cfg, tr.model_cfg, tr.tok_dir, save_concurrent_gb=save_limit_gb(tr.params, _saved_opt_state(tr)))
         _resume(tr, ckpts)
     if tr.latest_checkpoint is not None and tr.step >= cfg.steps:   # a finished run: nothing to train or evaluate again
         ckpts.close(); tr.close()

@@ -4,12 +4,15 @@
 
 # %% ../nbs/12e_value.ipynb 4
 from __future__ import annotations
+from dataclasses import dataclass, fields
+from typing import Optional
 import jax
 import jax.numpy as jnp
+from .config import key
 from .policy_loss import aggregate_loss
 
 # %% auto 0
-__all__ = ['last_token_index', 'token_level_rewards', 'gae_advantages', 'masked_whiten', 'value_loss']
+__all__ = ['last_token_index', 'token_level_rewards', 'gae_advantages', 'masked_whiten', 'value_loss', 'value_problems']
 
 # %% ../nbs/12e_value.ipynb
 def last_token_index(completion_mask: jax.Array) -> jax.Array:
@@ -67,3 +70,49 @@ def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, com
     clip_frac = aggregate_loss((clipped > unclipped).astype(jnp.float32), completion_mask, "token-mean", num_tokens=num_tokens)
     mean_v = aggregate_loss(v, completion_mask, "token-mean", num_tokens=num_tokens)
     return loss, {"loss/value": loss, "value/clipfrac": clip_frac, "value/mean": mean_v}
+
+# %% ../nbs/12e_value.ipynb
+@dataclass
+class _RLValueKeys:
+    "PPO's keys (advantage_estimator=gae): a part of `RLConfig` (chapter 15_rl)."
+    vf_coef: float = key(0.1, positive=True,
+        help="with advantage_estimator=gae, the weight of the critic's clipped value loss (TRL's vf_coef)")
+    cliprange_value: float = key(0.2, positive=True,
+        help="with advantage_estimator=gae, how far a value may move from the rollout's before its loss is clipped")
+    gamma: float = key(1.0, interval="[0, 1]", help="with advantage_estimator=gae, GAE's discount per token")
+    lam: float = key(0.95, interval="[0, 1]", help="with advantage_estimator=gae, GAE's lambda (1: Monte-Carlo, 0: TD)")
+    critic_path: str = key("",
+        help="with advantage_estimator=gae, the critic's starting weights: a reward model (`maxpost reward` run or "
+             "Hugging Face sequence classifier); empty = a copy of the policy's with a zero value head")
+    critic_learning_rate: Optional[float] = key(None, positive=True, resumable=True,
+        help="with advantage_estimator=gae, the critic's learning rate; null = learning_rate")
+    critic_warmup_steps: int = key(0, non_negative=True,
+        help="with advantage_estimator=gae, the first steps in which only the critic trains")
+
+    def problems(self) -> list[str]:
+        return super().problems() + value_problems(self)
+
+# %% ../nbs/12e_value.ipynb
+def value_problems(cfg) -> list[str]:
+    "The problems of PPO's keys: each one set on a run without a critic, and what `advantage_estimator=gae` cannot go with."
+    est = cfg.advantage_estimator
+    if est != "gae":
+        return [f"{f.name}={getattr(cfg, f.name)} applies to PPO's critic, but advantage_estimator={est}; set "
+                "advantage_estimator=gae, or remove it" for f in fields(_RLValueKeys) if getattr(cfg, f.name) != f.default]
+    out = []
+    if cfg.loss_algo == "gspo":
+        out.append("advantage_estimator=gae gives every token its own advantage, but loss_algo=gspo takes one per "
+                   "completion; use loss_algo=grpo (PPO's token ratio), gspo-token or cispo")
+    if cfg.advantage_scale != "group":
+        out.append(f"advantage_scale={cfg.advantage_scale} scales group-relative advantages; GAE's are whitened over "
+                   "the batch's tokens: remove it")
+    if cfg.max_staleness:
+        out.append(f"advantage_estimator=gae trains its critic in the synchronous loop; max_staleness="
+                   f"{cfg.max_staleness} needs the asynchronous one: set max_staleness=0")
+    if cfg.environment:
+        out.append(f"advantage_estimator=gae values single-turn completions; environment={cfg.environment} runs "
+                   "episodes: use advantage_estimator=grpo or rloo")
+    if cfg.lora_rank:
+        out.append(f"advantage_estimator=gae trains a full critic, not LoRA adapters; set lora_rank=0 (lora_rank="
+                   f"{cfg.lora_rank})")
+    return out

@@ -169,7 +169,7 @@ def test_masked_truncated_completions_leave_the_loss_but_not_the_baseline(tmp_pa
 @pytest.mark.parametrize("extra,says", [
     (["normalize_advantages=true"], "normalize_advantages=true whitens RLOO's advantages but advantage_estimator=grpo"),
     (["advantage_estimator=rloo", "advantage_scale=batch"], "advantage_scale=batch scales group-relative advantages"),
-    (["advantage_estimator=gae"], "advantage_estimator=gae needs a critic"),
+    (["advantage_estimator=gae", "loss_algo=gspo"], "loss_algo=gspo takes one per completion"),
     (["advantage_estimator=vtrace"], "advantage_estimator='vtrace' is not one of"),
     (["overlong_buffer_length=12"], "overlong_buffer_length=12 must be below max_completion_length=12"),
     (["overlong_buffer_length=-1"], "overlong_buffer_length=-1 must be >= 0"),
