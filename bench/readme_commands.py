@@ -26,7 +26,7 @@ COMMANDS = {   # name -> the line exactly as README.md gives it, in README order
     "dpo": ".venv/bin/maxpost dpo",
     "kto": ".venv/bin/maxpost dpo loss_type=kto",
     "reward": ".venv/bin/maxpost reward save_hf=true",
-    "reward_rl": ".venv/bin/maxpost rl reward_functions=[] reward_weights=[] reward_models=[maxpost_runs/embedded-reward] "
+    "reward_rl": ".venv/bin/maxpost rl 'reward_functions=[]' 'reward_weights=[]' 'reward_models=[maxpost_runs/embedded-reward]' "
                  "beta=0.04 learning_rate=3e-5 eval_interval=20 run_name=embedded-grpo-rm",
     "distill": ".venv/bin/maxpost distill",
     "lora": ".venv/bin/maxpost rl lora_rank=8 learning_rate=3e-4 run_name=embedded-grpo-lora8",
