@@ -28,7 +28,7 @@ from .prefetch import Prefetcher   # the kinds import it from here too
 
 # %% auto 0
 __all__ = ['check_finite', 'config_changes', 'check_resume', 'precheck_run_dir', 'RunCheckpoints', 'StopSignal', 'RunStopped',
-           'Trainer', 'remat_pick', 'compile_step_ahead', 'finished_before']
+           'Trainer', 'remat_pick', 'compile_step_ahead', 'finished_before', 'run_summary']
 
 # %% ../nbs/08_train.ipynb
 def check_finite(step: int, loss: float, params_finite, latest_checkpoint: int | None, where) -> None:
@@ -316,9 +316,8 @@ def _finished(tr: Trainer) -> dict:
         print(f"{tr.kind} run {d} is already finished (step {tr.step} of {tr.cfg.steps}): nothing to do. To evaluate it "
               f"again: maxpost eval load_parameters_path={d}; to train further: steps= more than {tr.step}; to start "
               "over: a new run_name", file=sys.stderr, flush=True)
-    last = (read_metrics(d, "train") or [{}])[-1]
     final = next((r for r in reversed(read_metrics(d, "eval")) if r["step"] == tr.step), {})
-    return {"step": tr.step, **{k: last[k] for k in tr.summary_keys if k in last},
+    return {"step": tr.step, **run_summary(read_metrics(d, "train"), tr.summary_keys, tr.cfg.steps),
             **{k: v for k, v in final.items() if k not in ("step", "kind")}, "already_finished": True}
 
 # %% ../nbs/08_train.ipynb
@@ -330,8 +329,17 @@ def _throughput(tr: Trainer, tokens: float, seconds: float, steps: int) -> dict:
     return out
 
 # %% ../nbs/08_train.ipynb
+def run_summary(records: Sequence[dict], keys: Sequence[str], steps: int) -> dict:
+    "Each of `keys` as the mean over the `records` (logged, each with its `step`) of the last `max(5, steps // 10)` steps of a run of `steps`; a key no such record holds is left out."
+    records = list(records)
+    if not records: return {}
+    since = records[-1]["step"] - max(5, steps // 10)
+    recent = [r for r in records if r["step"] > since]
+    return {k: float(np.mean([r[k] for r in recent if k in r])) for k in keys if any(k in r for r in recent)}
+
+# %% ../nbs/08_train.ipynb
 def _steps(tr: Trainer, ckpts: RunCheckpoints, log: MetricsLogger) -> tuple:
-    "The steps from `tr.step` to `cfg.steps` (a signal stops them after a checkpoint): `(timing, last logged metrics, final evaluation)`."
+    "The steps from `tr.step` to `cfg.steps` (a signal stops them after a checkpoint): `(timing, the logged records, final evaluation)`."
     cfg, where, clock = tr.cfg, run_dir(tr.cfg) / "checkpoints", tr.clock
     pending = []        # (step, loss, params_finite) still on the device: fetched and checked before anything is written
     def check():
@@ -342,7 +350,7 @@ def _steps(tr: Trainer, ckpts: RunCheckpoints, log: MetricsLogger) -> tuple:
         with clock("checkpoint"):
             ckpts.save(tr.step, tr.params, _saved_opt_state(tr), {"data": tr.data_state(), "seed": cfg.seed, **tr.weights.checkpoint_meta()})
         tr.latest_checkpoint = tr.step
-    last, final = {}, {}
+    logged, final = [], {}     # the logged records (what the summary averages: `run_summary`)
     if tr.eval_at_start and tr.step == 0:
         with clock("eval"): log.log(0, tr.evaluate(), kind="eval")
     t = StepTiming(tr)
@@ -354,7 +362,7 @@ def _steps(tr: Trainer, ckpts: RunCheckpoints, log: MetricsLogger) -> tuple:
                 check()
                 rec = {k: as_scalar(v) for k, v in jax.device_get(m).items()}
                 rec |= _throughput(tr, t.tokens, t.window_seconds(), t.steps) | t.take()
-                with clock("log"): last = log.log(tr.step, rec)
+                with clock("log"): logged.append(log.log(tr.step, rec))
             log.advance()     # the bar on a terminal (lines to a file come from `log.log`)
             t.after_first()
             if cfg.eval_interval and tr.step % cfg.eval_interval == 0 and tr.step < cfg.steps:
@@ -365,7 +373,7 @@ def _steps(tr: Trainer, ckpts: RunCheckpoints, log: MetricsLogger) -> tuple:
         check()
         with clock("eval"): final = tr.evaluate()
         if final: log.log(tr.step, final, kind="eval")
-    return t, last, final
+    return t, logged, final
 
 # %% ../nbs/08_train.ipynb
 def _after_steps(tr: Trainer, t: StepTiming, progress: bool) -> None:
@@ -392,8 +400,8 @@ def _fit(tr: Trainer, progress: bool) -> dict:
         log = MetricsLogger(run_dir(cfg), cfg.steps, tr.step, desc=f"{tr.kind} {cfg.run_name}", progress=progress,
                             show=tr.progress_keys)
     tr.progress, tr.timing = progress, None
-    try: t, last, final = _steps(tr, ckpts, log)
+    try: t, logged, final = _steps(tr, ckpts, log)
     finally:
         log.close(); ckpts.close(); tr.close()
     _after_steps(tr, t, progress)
-    return {"step": tr.step, **{k: last[k] for k in tr.summary_keys if k in last}, **final}
+    return {"step": tr.step, **run_summary(logged, tr.summary_keys, cfg.steps), **final}

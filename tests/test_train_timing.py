@@ -187,3 +187,17 @@ def test_a_shell_that_execs_maxpost_late_does_not_lend_it_its_start(tmp_path):
     alone = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     age, lead = map(float, alone.stdout.split())
     assert 0 < lead < age, alone.stdout                         # the interpreter's own start, before maxpost's import
+
+
+def test_the_summary_is_the_mean_of_the_last_steps_not_one_batch(tmp_path):
+    """Issue 49 item 6: SmolLM2's 5-step first look ended on `reward=0`, one batch with no right answer, beside a
+    held-out pass@1 that had risen. The summary a run returns (and prints) averages its training metrics over the logged
+    steps of its last max(5, steps // 10) steps; a rerun of the finished run says the same."""
+    cfg = load_config("sft", [f"base_output_directory={tmp_path}", "run_name=s", "steps=4", "log_period=1",
+                              "eval_interval=0", "checkpoint_period=4", *SMALL])
+    out = start_trainer(SFTTrainer, cfg, progress=False).fit(progress=False)
+    losses = [r["loss"] for r in read_metrics(run_dir(cfg), "train")]
+    assert len(losses) == 4 and losses[-1] != pytest.approx(np.mean(losses))
+    assert out["loss"] == pytest.approx(np.mean(losses), rel=1e-6)
+    again = start_trainer(SFTTrainer, cfg, progress=False).fit(progress=False)
+    assert again["already_finished"] and again["loss"] == pytest.approx(out["loss"], rel=1e-6)
