@@ -112,7 +112,8 @@ def _sft_refusing(tmp_path, monkeypatch, refuse, *extra):
         now["remat"] = kw.get("remat", now["remat"])
         return set_model(model, **kw)
     set_model = train_mod.set_model_options
-    monkeypatch.setattr(train_mod, "set_model_options", set_options)
+    import maxpost.sft as sft_mod                # SFT's step from shapes (`early_programs`) picks its policy there
+    for mod in (train_mod, sft_mod): monkeypatch.setattr(mod, "set_model_options", set_options)
     def compile(self, *a, **k):          # the training step's compiles (ahead, on a thread, or at the first step)
         if getattr(self._lowering, "_name", "") == "jit(step)":
             tried.append(now["remat"])
