@@ -335,7 +335,8 @@ def run_summary(records: Sequence[dict], keys: Sequence[str], steps: int) -> dic
     if not records: return {}
     since = records[-1]["step"] - max(5, steps // 10)
     recent = [r for r in records if r["step"] > since]
-    return {k: float(np.mean([r[k] for r in recent if k in r])) for k in keys if any(k in r for r in recent)}
+    nums = {k: [r[k] for r in recent if isinstance(r.get(k), (int, float))] for k in keys}   # a non-finite value is null on disk
+    return {k: float(np.mean(v)) for k, v in nums.items() if v}
 
 # %% ../nbs/08_train.ipynb
 def _steps(tr: Trainer, ckpts: RunCheckpoints, log: MetricsLogger) -> tuple:
