@@ -311,9 +311,10 @@ def test_the_step_is_compiled_ahead_while_the_data_loads_and_only_once(tmp_path)
     from maxpost.timing import compile_watch
     t0 = time.time()
     tr = start_trainer(SFTTrainer, cfg)
-    assert len(tr.step_fn.ahead) == 1 and not tr.step_fn.programs      # started in the constructor
+    # from random weights it starts from shapes, at the command's start (`EarlyPrograms`), and the constructor takes it
+    assert len(tr.step_fn.early) == 1 and not tr.step_fn.ahead and not tr.step_fn.programs
     tr.fit(progress=False)
-    assert len(tr.step_fn.programs) == 1 and not tr.step_fn.ahead       # the first step used it: one program
+    assert len(tr.step_fn.programs) == 1 and not tr.step_fn.ahead and not tr.step_fn.early   # the first step used it
     # one backend compile of the step (the tests' persistent cache may answer it: then timing.json counts it 0)
     backend = [a for name, a, b, is_backend in compile_watch().named if name == "step" and is_backend and a >= t0]
     assert len(backend) == 1, backend
