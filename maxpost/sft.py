@@ -107,6 +107,8 @@ def _check_batch(cfg: SFTConfig, mesh) -> None:
                           f"{n} batch shards (data x fsdp) of the mesh")
 
 # %% ../nbs/14c_sft.ipynb
+_STEP_BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")   # what a packed batch holds for the step
+
 class SFTTrainer(Trainer):
     "SFT: packed demonstrations through one jitted, donated step with gradient accumulation; evaluation by held-out loss."
     kind, summary_keys = "sft", ("loss", "mean_token_accuracy")
@@ -121,7 +123,7 @@ class SFTTrainer(Trainer):
         if not finished:
             rows = np.zeros((cfg.global_batch_size // jax.process_count(), cfg.max_target_length), np.int32)
             compile_step_ahead(self, "step_fn", self.params, self.rest, self.opt_state,
-                               sharding.shard_batch({k: rows for k in ("tokens", "segment_ids", "positions", "loss_mask")}, self.mesh))
+                               sharding.shard_batch({k: rows for k in _STEP_BATCH_KEYS}, self.mesh))
         with self.clock("data"):
             check_held_out(cfg)
             self.train_it = sft_data(cfg, self.tokenizer, cfg.train_split, shuffle=True)
@@ -165,8 +167,7 @@ def early_programs(cls: SFTTrainer, cfg: SFTConfig, mesh) -> dict:
         pick, _ = remat_pick(cfg, model.cfg, params, mesh, not_yet_allocated=held // mesh.devices.size)
         graphdef, params, rest = FullWeights().split(set_model_options(model, remat=pick))
     shape = (cfg.global_batch_size, cfg.max_target_length)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding.batch_sharding(mesh, shape))
-             for k in ("tokens", "segment_ids", "positions", "loss_mask")}
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding.batch_sharding(mesh, shape)) for k in _STEP_BATCH_KEYS}
     step = make_sft_step(graphdef, tx, accum=cfg.gradient_accumulation_steps, z_loss=cfg.z_loss, chunk_size=cfg.logits_chunk_size)
     return {"step_fn": (graphdef, step, (params, rest, opt_state, batch))}
 
