@@ -382,16 +382,17 @@ def preference_options(cfg: DPOConfig) -> dict:
     return dict(loss_type=cfg.loss_type, beta=cfg.beta, label_smoothing=cfg.label_smoothing,
                 lambda_orpo=cfg.lambda_orpo, simpo_gamma=cfg.simpo_gamma)
 
-def pair_logps(model, batch: dict, chunk_size: int | None = LOGITS_CHUNK_SIZE) -> tuple[jax.Array, jax.Array]:
-    "(summed log-prob [2N], length [2N]) of each reply of a `preference_batch`; each pair's prompt runs through the model once."
+def pair_logps(model, batch: dict, chunk_size: int | None = LOGITS_CHUNK_SIZE, share_prompts: bool = True) -> tuple[jax.Array, jax.Array]:
+    "(summed log-prob [2N], length [2N]) of each reply of a `preference_batch`; each pair's prompt runs through the model once (`share_prompts`) or with each reply."
     logps = completion_logps(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-                             batch["completion_mask"], 1.0, 2, chunk_size=chunk_size)
+                             batch["completion_mask"], 1.0, 2 if share_prompts else 1, chunk_size=chunk_size)
     return sequence_logps(logps, batch["completion_mask"])
 
 # %% ../nbs/15b_dpo.ipynb
-def dpo_loss(model, b: dict, loss_kwargs: dict, weight: float = 1.0, chunk_size: int | None = LOGITS_CHUNK_SIZE):
+def dpo_loss(model, b: dict, loss_kwargs: dict, weight: float = 1.0, chunk_size: int | None = LOGITS_CHUNK_SIZE,
+             share_prompts: bool = True):
     "(weight * loss, weighted metrics): `preference_loss` of a micro-batch of whole pairs, against its `ref_logps` [2N] when the loss needs a reference; with `loss_type='kto'`, `kto_loss` of a micro-batch of `ExampleData.batch` (odd rows: the mismatched pairs)."
-    sums, lengths = pair_logps(model, b, chunk_size)
+    sums, lengths = pair_logps(model, b, chunk_size, share_prompts)
     ref = b.get("ref_logps")
     if loss_kwargs.get("loss_type") == "kto":
         if ref is None: raise ValueError("loss_type='kto' compares with a reference: the batch needs ref_logps")
@@ -407,10 +408,10 @@ def make_dpo_loss(graphdef, loss_kwargs: dict, chunk_size: int | None = LOGITS_C
 
 # %% ../nbs/15b_dpo.ipynb
 def make_dpo_step(graphdef, tx: optax.GradientTransformation, loss_kwargs: dict, accum: int = 1,
-                  chunk_size: int | None = LOGITS_CHUNK_SIZE):
-    "Jitted `step(params, rest, opt_state, batch) -> (params, opt_state, metrics)` on `preference_loss`: chapter 08b's `make_update_step` over `accum` micro-batches of whole pairs; params and opt_state are donated."
+                  chunk_size: int | None = LOGITS_CHUNK_SIZE, share_prompts: bool = True):
+    "Jitted `step(params, rest, opt_state, batch) -> (params, opt_state, metrics)` on `preference_loss`: chapter 08b's `make_update_step` over `accum` micro-batches of whole pairs; params and opt_state are donated. Each pair's prompt runs once unless `share_prompts` is off (`Trainer.shared_prompts`, chapter 08)."
     def micro_loss(model, m, totals):      # every micro-batch holds the same number of pairs: each is 1/accum of the mean
-        return dpo_loss(model, m, loss_kwargs, 1.0 / accum, chunk_size)
+        return dpo_loss(model, m, loss_kwargs, 1.0 / accum, chunk_size, share_prompts)
     return make_update_step(graphdef, tx, micro_loss, accum=accum, split=lambda b, a: split_groups(b, a, 2))
 
 def make_dpo_eval_step(graphdef, loss_kwargs: dict, chunk_size: int | None = LOGITS_CHUNK_SIZE):
@@ -431,7 +432,7 @@ def make_reference_fn(graphdef, parts: int = 1, chunk_size: int | None = LOGITS_
 # %% ../nbs/15b_dpo.ipynb
 class DPOTrainer(Trainer):
     "Preference optimisation: batches of pairs (for KTO, of examples each beside a mismatched pair) -> policy and reference log-probs of both rows -> `preference_loss` (`kto_loss`) -> update; evaluation by held-out preference loss and, on the embedded task, greedy pass@1."
-    kind, eval_at_start = "dpo", True
+    kind, eval_at_start, shared_prompts = "dpo", True, True   # shared_prompts: each pair's prompt runs once (08)
     summary_keys = ("loss", "rewards/accuracies", "rewards/margins", "kl")   # kl: KTO's
     progress_keys = ("loss", "rewards/margins", "eval_rewards/accuracies", "pass@1")
 
@@ -526,11 +527,17 @@ def ref_params(self: DPOTrainer):
 @patch
 def build_steps(self: DPOTrainer) -> None:
     cfg, opts, chunk = self.cfg, preference_options(self.cfg), self.cfg.logits_chunk_size
-    self.step_fn = self.compiled(make_dpo_step(self.graphdef, self.tx, opts, cfg.gradient_accumulation_steps,
-                                               chunk_size=chunk), "the DPO step")
+    self.step_fn = self.make_update()
     self.ref_fn = self.compiled(make_reference_fn(self.graphdef, cfg.gradient_accumulation_steps, chunk_size=chunk),
                                 "the reference log-prob pass")
     self.eval_fn = make_dpo_eval_step(self.graphdef, opts, chunk_size=chunk)
+
+@patch
+def make_update(self: DPOTrainer) -> StepCompiler:
+    "The DPO step's `StepCompiler`; each pair's prompt runs once while `shared_prompts`."
+    cfg = self.cfg
+    return self.compiled(make_dpo_step(self.graphdef, self.tx, preference_options(cfg), cfg.gradient_accumulation_steps,
+                                       chunk_size=cfg.logits_chunk_size, share_prompts=self.shared_prompts), "the DPO step")
 
 # %% ../nbs/15b_dpo.ipynb
 @patch

@@ -105,14 +105,17 @@ def build_steps(self: PPOTrainer) -> None:
     if not hasattr(self, "critic_params"): self._make_critic()    # the first build (RLTrainer.__init__)
     cfg, G, A, chunk = self.cfg, self.cfg.num_generations, self.cfg.gradient_accumulation_steps, self.cfg.logits_chunk_size
     parts = A * (cfg.global_batch_size // self.mini_batch)
-    no_kl = {**loss_options(cfg), "beta": 0.0}    # the KL penalty is in the rewards (token_level_rewards), not the loss
-    self.step_fn = self.compiled(make_rl_step(self.graphdef, self.tx, no_kl, cfg.temperature, G, A, chunk_size=chunk,
-                                              max_kept=cfg.top_k or None), "the RL update")
+    self.step_fn = self.make_update()
     self.values_fn = self.compiled(make_values_fn(self.critic_graphdef, G, parts), "the critic's values")
     self.critic_step = self.compiled(make_critic_step(self.critic_graphdef, self.critic_tx, cfg.vf_coef,
                                                       cfg.cliprange_value, G, A), "the critic's update")
     self.advantages_fn = StepCompiler(jax.jit(lambda scores: scores))    # GAE needs the critic's values: in the update
     self.gae_fn = StepCompiler(jax.jit(functools.partial(ppo_advantages, beta=cfg.beta, gamma=cfg.gamma, lam=cfg.lam)))
+
+@patch
+def make_update(self: PPOTrainer, loss_kwargs: dict | None = None) -> StepCompiler:
+    "The policy's update without the KL term: the KL penalty is in the rewards (`token_level_rewards`), not the loss."
+    return RLTrainer.make_update(self, {**loss_options(self.cfg), "beta": 0.0})
 
 # %% ../nbs/15f_ppo.ipynb
 @patch

@@ -333,11 +333,12 @@ _COMBINE = {"ratio/min": jnp.min, "ratio/max": jnp.max,   # every other metric i
             "sampling/sampling_logp_difference/max": jnp.max}
 
 def make_rl_step(graphdef, tx, loss_kwargs: dict, temperature: float, num_generations: int = 1, accum: int = 1,
-                 chunk_size: int | None = LOGITS_CHUNK_SIZE, max_kept: int | None = None):
-    "Jitted `step(params, rest, opt_state, batch) -> (params, opt_state, metrics)` on `policy_loss` (times the batch's `importance_weights`, if any), summing `accum` micro-batches of whole groups; log-probs over the sampler's kept sets where the batch has `num_kept` (chapter 12c)."
+                 chunk_size: int | None = LOGITS_CHUNK_SIZE, max_kept: int | None = None, share_prompts: bool = True):
+    "Jitted `step(params, rest, opt_state, batch) -> (params, opt_state, metrics)` on `policy_loss` (times the batch's `importance_weights`, if any), summing `accum` micro-batches of whole groups; log-probs over the sampler's kept sets where the batch has `num_kept` (chapter 12c); each group's prompt runs once unless `share_prompts` is off (`Trainer.shared_prompts`, chapter 08)."
     def micro_loss(model, m, counts):
         logps, entropy = completion_logps(model, m["prompt_ids"], m["prompt_mask"], m["completion_ids"],
-                                          m["completion_mask"], temperature, num_generations, chunk_size=chunk_size,
+                                          m["completion_mask"], temperature, num_generations if share_prompts else 1,
+                                          chunk_size=chunk_size,
                                           with_entropy=True, num_kept=m.get("num_kept"), max_kept=max_kept)
         loss, metrics = policy_loss(logps, m.get("old_per_token_logps"), m.get("ref_per_token_logps"), m["advantages"],
                                     m["completion_mask"], **loss_kwargs, num_tokens=counts["num_tokens"],
@@ -435,6 +436,7 @@ def __init__(self: RLTrainer, cfg: RLConfig, setup: Setup, *, reward_fns=None, e
     with self.clock("data"): check_held_out(cfg)
     G, B, A = cfg.num_generations, cfg.global_batch_size, cfg.gradient_accumulation_steps
     self.mini_batch = cfg.mini_batch_size or B
+    self.shared_prompts = G > 1            # the update runs each group's prompt once (until memory says otherwise: 08)
     self.updates_per_step = cfg.num_iterations * (B // self.mini_batch)
     self.correction = correction_options(cfg)   # the sampler correction: importance_weights' mode and bounds
     self.reference = None                  # π_ref (only when beta > 0): the initial weights; with LoRA, the base (adapters off)
@@ -480,8 +482,7 @@ def build_steps(self: RLTrainer) -> None:
     parts, top = A * (cfg.global_batch_size // self.mini_batch), cfg.top_k or None   # top_k bounds a kept set
     self.logps_fn = self.compiled(make_logps_fn(self.graphdef, cfg.temperature, G, parts, chunk_size=chunk,
                                                 max_kept=top), "the log-prob pass")
-    self.step_fn = self.compiled(make_rl_step(self.graphdef, self.tx, loss_options(cfg), cfg.temperature, G, A,
-                                              chunk_size=chunk, max_kept=top), "the RL update")
+    self.step_fn = self.make_update()
     self.logps_pass = self.compiled(make_logps_pass(self.graphdef, cfg.temperature, G, parts, chunk, self.correction,
                                                     max_kept=top), "the log-prob pass")    # what the loop runs (`logps_fn`: the log-probs alone)
     self.advantages_fn = StepCompiler(jax.jit(   # `advantage_estimator`: group-relative, or leave-one-out
@@ -495,6 +496,14 @@ def build_steps(self: RLTrainer) -> None:
                                        fn=self.compiled(make_sample_fn(graphdef, max_completion_length=T, block=B // G),
                                                         "the sampler"))
     if isinstance(self.engine, SamplerEngine): self.engine.program = self.sampler
+
+@patch
+def make_update(self: RLTrainer, loss_kwargs: dict | None = None) -> StepCompiler:
+    "The RL update's `StepCompiler` (`loss_kwargs`: `loss_options`); each group's prompt runs once while `shared_prompts`."
+    cfg = self.cfg
+    return self.compiled(make_rl_step(self.graphdef, self.tx, loss_kwargs or loss_options(cfg), cfg.temperature,
+                                      cfg.num_generations, cfg.gradient_accumulation_steps, chunk_size=cfg.logits_chunk_size,
+                                      max_kept=cfg.top_k or None, share_prompts=self.shared_prompts), "the RL update")
 
 # %% ../nbs/15_rl.ipynb
 @patch

@@ -21,7 +21,7 @@ from .policy import (Setup, TrainableWeights, model_options, read_model_config, 
 from .rundir import RunLock, MetricsLogger, as_scalar, read_metrics
 from .timing import Clock, StepTiming, compile_watch, device_peak_flops, timing_lines
 from .memory import (MemoryShortfall, check_memory, memory_needed, compile_shortfall, device_memory,
-                            out_of_memory, remat_to_start)   # memory_needed: 03c_lora's check imports it from here
+                            out_of_memory, remat_to_start, activation_bytes, _gib)   # memory_needed: 03c_lora's check imports it from here
 from .optimizer import make_optimizer, make_schedule, init_opt_state
 from .compile import StepCompiler, compile_ahead
 from .prefetch import Prefetcher   # the kinds import it from here too
@@ -201,6 +201,8 @@ class Trainer:
                     "global_batch_size, or more devices (fsdp_parallelism)")
 
     def build_steps(self) -> None: pass               # (re)build the jitted steps from `self.graphdef`
+    shared_prompts = False   # RL's and DPO's updates run each group's prompt once: `_unshare_prompts` stops it
+    def make_update(self): raise NotImplementedError  # a kind with shared prompts: `step_fn` as `build_steps` makes it
 
 # %% ../nbs/08_train.ipynb
 @patch(as_prop=True)
@@ -228,16 +230,17 @@ def compiled(self: Trainer, jitted, label: str) -> StepCompiler:
 # %% ../nbs/08_train.ipynb
 @patch
 def run_step(self: Trainer, name: str, *args):
-    "Call the step `self.<name>`; with `remat_policy=auto`, start where the estimate says it fits (`_start_remat`) and move to the next remat policy while it cannot fit."
+    "Call the step `self.<name>`; with `remat_policy=auto`, start where the estimate says it fits (`_start_remat`) and move to the next remat policy while it cannot fit; then stop sharing prompts in the update (`_unshare_prompts`)."
     if not getattr(self, "_remat_started", False): _start_remat(self)
     while True:
         try: return getattr(self, name)(*args)
         except MemoryShortfall as e:
             policies, now = REMAT_POLICIES, self.model_cfg.remat
-            if self.cfg.remat_policy != "auto" or now == policies[-1]: raise
-            nxt = policies[policies.index(now) + 1]
-            if jax.process_index() == 0: print(f"memory: remat {now!r} does not fit ({e}); trying {nxt!r}", file=sys.stderr)
-            _set_remat(self, nxt)
+            if self.cfg.remat_policy == "auto" and now != policies[-1]:
+                nxt = policies[policies.index(now) + 1]
+                if jax.process_index() == 0: print(f"memory: remat {now!r} does not fit ({e}); trying {nxt!r}", file=sys.stderr)
+                _set_remat(self, nxt)
+            elif name != "step_fn" or not _unshare_prompts(self, str(e).split(". To fit:")[0]): raise
 
 @patch
 def fit(self: Trainer, *, progress: bool = True) -> dict:
@@ -250,6 +253,16 @@ def _set_remat(tr: Trainer, policy: str) -> None:
     model = set_model_options(nnx.merge(tr.graphdef, tr.params, tr.rest), remat=policy)
     tr.graphdef, tr.model_cfg = nnx.graphdef(model), model.cfg
     tr.build_steps()
+
+def _unshare_prompts(tr: Trainer, why: str) -> bool:
+    "Make `tr`'s update run each prompt with each of its completions (`shared_prompts` off: one set of gradients, not the prompt pass's beside the completions'), saying `why`; False when it shares none."
+    if not tr.shared_prompts: return False
+    tr.shared_prompts = False
+    tr.step_fn = tr.make_update()
+    if jax.process_index() == 0:
+        print(f"memory: {why}; so the update runs each prompt with each of its completions (a prompt pass shared by "
+              "a group adds a second set of gradients)", file=sys.stderr)
+    return True
 
 # %% ../nbs/08_train.ipynb
 def _step_tokens(cfg: TrainConfig) -> int:
@@ -266,13 +279,19 @@ def remat_pick(cfg: TrainConfig, model_cfg, params, mesh, *, not_yet_allocated: 
     return remat_to_start(model_cfg, _step_tokens(cfg) // n, grads, free - (not_yet_allocated if what.startswith("free ") else 0))
 
 def _start_remat(tr: Trainer) -> None:
-    "With `remat_policy=auto`, before the first compile: start at the least-recompute policy whose estimated activations fit (`remat_to_start`, chapter `07e_memory`), so that a policy that clearly cannot fit is never compiled."
+    "Before the first compile: with `remat_policy=auto`, start at the least-recompute policy whose estimated activations fit (`remat_to_start`, chapter `07e_memory`), so that a policy that clearly cannot fit is never compiled; an update that shares prompts stops sharing when its estimate with a second set of gradients does not fit."
     tr._remat_started = True
-    if tr.cfg.remat_policy != "auto": return
-    pick, line = remat_pick(tr.cfg, tr.model_cfg, tr.params, tr.mesh)
-    if pick != tr.model_cfg.remat and jax.process_index() == 0 and getattr(tr, "progress", True):
-        print(f"memory: {line}", file=sys.stderr)   # said only where auto skips a policy
-    if pick != tr.model_cfg.remat: _set_remat(tr, pick)
+    if tr.cfg.remat_policy == "auto":
+        pick, line = remat_pick(tr.cfg, tr.model_cfg, tr.params, tr.mesh)
+        if pick != tr.model_cfg.remat and jax.process_index() == 0 and getattr(tr, "progress", True):
+            print(f"memory: {line}", file=sys.stderr)   # said only where auto skips a policy
+        if pick != tr.model_cfg.remat: _set_remat(tr, pick)
+    if tr.shared_prompts:
+        n, (free, _) = tr.mesh.devices.size, device_memory()
+        grads = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tr.params)) // n
+        need = activation_bytes(tr.model_cfg, _step_tokens(tr.cfg) // n, tr.model_cfg.remat) + 2 * grads
+        if need > free: _unshare_prompts(tr, f"the update's activations and two sets of gradients are estimated at "
+                                             f"{_gib(need)} per device, {_gib(free)} free")
 
 # %% ../nbs/08_train.ipynb
 def compile_step_ahead(tr: Trainer, name: str, *args) -> None:

@@ -1,0 +1,172 @@
+"""Issue 47 (the 1B RL update on a 16 GiB TPU): an update that runs each group's prompt once (RL's G completions,
+DPO's two replies) differentiates two passes over the layers, so it holds the prompt pass's weight gradients beside
+the completions' (at 1B in bf16, a second 2.3 GiB set). Without sharing it is the same update with one set. The
+trainers stop sharing when the estimate with two sets does not fit, or when the compiled update does not."""
+import jax, jax.numpy as jnp, numpy as np, optax, pytest
+from flax import nnx
+
+from maxpost.commands import start_trainer
+from maxpost.config import load_config
+from maxpost.model import create_model, get_model_config, Decoder
+from maxpost.policy_loss import policy_loss
+from maxpost.rl import RLTrainer, make_rl_step
+from maxpost.dpo import make_dpo_step, preference_options
+
+from rewards_for_tests import length_reward
+
+KW = dict(loss_algo="grpo", epsilon_low=0.2, epsilon_high=0.28, beta=0.0, kl_estimator="k3", loss_agg_mode="token-mean")
+TINY = dict(num_layers=2, d_model=64, mlp_dim=128, vocab_size=64, num_heads=2, num_kv_heads=1)
+
+
+def _groups(rng, groups=3, G=4, P=7, T=9, vocab=64):
+    "Whole groups sharing a left-padded prompt; completions of different lengths."
+    B = groups * G
+    prompt = np.repeat(rng.integers(1, vocab, (groups, P)), G, axis=0).astype(np.int32)
+    pmask = np.ones((B, P), np.int32)
+    pmask[:G, :2] = 0                                                 # the first group's prompt is shorter
+    lengths = rng.integers(1, T + 1, B)
+    return {"prompt_ids": prompt, "prompt_mask": pmask, "completion_ids": rng.integers(1, vocab, (B, T)).astype(np.int32),
+            "completion_mask": (np.arange(T)[None] < lengths[:, None]).astype(np.int32),
+            "advantages": rng.normal(size=B).astype(np.float32),
+            "old_per_token_logps": (rng.normal(size=(B, T)) * 0.1 - 4.2).astype(np.float32)}
+
+
+def _naive_logps(model, b):
+    "Log-probs of each completion token from the whole sequence (prompt then completion, padding masked) through the model's logits: NumPy log-softmax."
+    from maxpost.sampling import _teacher_forced_inputs
+    P, T = b["prompt_ids"].shape[1], b["completion_ids"].shape[1]
+    logits = model(*_teacher_forced_inputs(jnp.asarray(b["prompt_ids"]), jnp.asarray(b["prompt_mask"]),
+                                           jnp.asarray(b["completion_ids"])))[:, P - 1:P + T - 1].astype(jnp.float32)
+    logp = logits - jax.nn.logsumexp(logits, -1, keepdims=True)
+    picked = jnp.take_along_axis(logp, jnp.asarray(b["completion_ids"])[..., None], -1)[..., 0]
+    return jnp.where(jnp.asarray(b["completion_mask"]) > 0, picked, 0.0)
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_the_update_moves_the_weights_the_same_with_and_without_shared_prompts(chunk):
+    """One SGD(1) step of `make_rl_step` with each group's prompt run once and with it run per completion: both move
+    the weights by the gradient of the policy loss on log-probs from the plain forward (float32, 1e-5)."""
+    model = create_model(get_model_config("tiny", **TINY), seed=0)
+    gd, p0, rest = nnx.split(model, nnx.Param, ...)
+    b = _groups(np.random.default_rng(0))
+    def loss(p):
+        logps = _naive_logps(nnx.merge(gd, p, rest), b)
+        return policy_loss(logps, b["old_per_token_logps"], None, b["advantages"], b["completion_mask"], **KW)[0]
+    want = jax.tree.map(lambda p, g: p - g, p0, jax.grad(loss)(p0))
+    tx = optax.sgd(1.0)
+    for share in (True, False):
+        step = make_rl_step(gd, tx, KW, 1.0, num_generations=4, chunk_size=chunk, share_prompts=share)
+        p, _, m = step(jax.tree.map(jnp.copy, p0), rest, tx.init(p0), b)
+        for a, w in zip(jax.tree.leaves(p), jax.tree.leaves(want)):
+            np.testing.assert_allclose(a, w, atol=2e-6, rtol=1e-5, err_msg=f"share_prompts={share}")
+        np.testing.assert_allclose(m["loss"], loss(p0), rtol=1e-5, atol=1e-7)
+
+
+def test_the_dpo_step_is_the_same_with_and_without_shared_prompts():
+    "DPO's step (pairs: rows 2i and 2i+1 share a prompt) moves the weights the same way either way (float32, 1e-5)."
+    model = create_model(get_model_config("tiny", **TINY), seed=1)
+    gd, p0, rest = nnx.split(model, nnx.Param, ...)
+    b = {k: v for k, v in _groups(np.random.default_rng(1), groups=3, G=2).items() if k.startswith(("prompt", "completion"))}
+    opts = preference_options(load_config("dpo", []))
+    out = []
+    for share in (True, False):
+        tx = optax.sgd(1.0)
+        b2 = {**b, "ref_logps": np.random.default_rng(2).normal(size=6).astype(np.float32) - 20}
+        step = make_dpo_step(gd, tx, opts, chunk_size=16, share_prompts=share)
+        out.append(step(jax.tree.map(jnp.copy, p0), rest, tx.init(p0), b2))
+    moved = max(float(jnp.abs(a - c).max()) for a, c in zip(jax.tree.leaves(out[0][0]), jax.tree.leaves(p0)))
+    assert moved > 1e-4
+    for a, c in zip(jax.tree.leaves(out[0][0]), jax.tree.leaves(out[1][0])):
+        np.testing.assert_allclose(a, c, atol=2e-6, rtol=1e-5)
+
+
+def _update_temporaries(share: bool) -> int:
+    cfg = get_model_config("tiny", vocab_size=8192, d_model=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                           head_dim=64, mlp_dim=1024, remat="full")
+    gd, params, rest = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    tx = optax.sgd(1e-3)
+    ids = lambda t: jax.ShapeDtypeStruct((8, t), jnp.int32)
+    b = dict(prompt_ids=ids(32), prompt_mask=ids(32), completion_ids=ids(32), completion_mask=ids(32),
+             advantages=jax.ShapeDtypeStruct((8,), jnp.float32), old_per_token_logps=jax.ShapeDtypeStruct((8, 32), jnp.float32))
+    step = make_rl_step(gd, tx, KW, 1.0, num_generations=4, share_prompts=share)
+    grads = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    return step.lower(params, rest, jax.eval_shape(tx.init, params), b).compile().memory_analysis().temp_size_in_bytes, grads
+
+
+def test_without_shared_prompts_the_update_holds_one_set_of_gradients_not_two():
+    "Compile-only, where the weights outweigh the activations: the unshared update needs at least half a gradient set less."
+    (shared, grads), (alone, _) = _update_temporaries(True), _update_temporaries(False)
+    assert shared - alone > grads // 2, (shared, alone, grads)
+
+
+def _rl(tmp_path, *extra):
+    cfg = load_config("rl", [f"base_output_directory={tmp_path}", "run_name=t", "load_parameters_path=", "model_name=tiny",
+                             "global_batch_size=8", "num_generations=4", "mini_batch_size=0", "max_prompt_length=96", "max_completion_length=8",
+                             "eval_interval=0", "eval_num_prompts=0", "train_split=train[:32]", "log_period=1",
+                             "steps=1", *extra])
+    return start_trainer(RLTrainer, cfg, reward_fns=[(length_reward, 1.0, "length")])
+
+
+def test_rl_stops_sharing_prompts_when_two_sets_of_gradients_are_estimated_not_to_fit(tmp_path, monkeypatch, capsys):
+    """The estimate at the start (`_start_remat`): room for remat `full`'s activations and one set of gradients but
+    not two: the update runs unshared from its first compile, says so on stderr, and trains."""
+    from maxpost.memory import activation_bytes
+    from maxpost.train import _step_tokens
+    probe = _rl(tmp_path / "probe", "remat_policy=full")
+    n = probe.mesh.devices.size
+    grads = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(probe.params)) // n
+    act = activation_bytes(probe.model_cfg, _step_tokens(probe.cfg) // n, "full")
+    assert probe.shared_prompts                                        # plenty of host memory: it shares
+    monkeypatch.setenv("MAXPOST_DEVICE_MEMORY", str(act + grads + grads // 2))
+    tr = _rl(tmp_path / "run", "remat_policy=full", "check_memory=false")
+    assert tr.fit(progress=False)["step"] == 1
+    assert not tr.shared_prompts
+    err = capsys.readouterr().err
+    assert "two sets of gradients are estimated at" in err and "each prompt with each of its completions" in err, err[-1500:]
+
+
+def test_a_compiled_update_that_does_not_fit_is_tried_again_unshared(tmp_path, monkeypatch, capsys):
+    """remat `full` and the update's compile refused (a TPU's RESOURCE_EXHAUSTED) while it shares prompts: the trainer
+    rebuilds the update without sharing and trains; refused both ways, the one-line `MemoryShortfall`."""
+    import maxpost.rl as rl_mod
+    from test_memory import TPU_SAYS
+    from maxpost.memory import MemoryShortfall
+    real, tried, refuse = rl_mod.make_rl_step, [], {"all": False}
+    class Refusing:                                 # the update's jitted function whose compile the TPU refuses
+        def __init__(self, f, share): self.f, self.share = f, share
+        def __getattr__(self, name): return getattr(self.f, name)
+        def lower(self, *a):
+            lowered = self.f.lower(*a)
+            def compile():
+                tried.append(self.share)
+                if self.share or refuse["all"]: raise jax.errors.JaxRuntimeError(TPU_SAYS)
+                return lowered.compile()
+            return type("L", (), {"compile": staticmethod(compile)})()
+    monkeypatch.setattr(rl_mod, "make_rl_step", lambda *a, share_prompts=True, **k:
+                        Refusing(real(*a, share_prompts=share_prompts, **k), share_prompts))
+    tr = _rl(tmp_path / "a", "remat_policy=full")
+    assert tr.fit(progress=False)["step"] == 1 and not tr.shared_prompts
+    assert tried[:2] == [True, False], tried
+    assert "each prompt with each of its completions" in capsys.readouterr().err
+    refuse["all"] = True
+    with pytest.raises(MemoryShortfall) as e:
+        _rl(tmp_path / "b", "remat_policy=full").fit(progress=False)
+    assert "\n" not in str(e.value) and "16.74G" in str(e.value)
+
+
+def test_a_bf16_unembedding_gets_its_gradient_summed_in_bf16_close_to_float32():
+    """The chunked log-prob backward sums the unembedding's gradient over chunks in a bf16 weight's own dtype (1 GB
+    less at 1B than a float32 sum): within bf16's precision of the float32 gradient of the same bf16 weight."""
+    from maxpost.sampling import chunked_logps
+    rng = np.random.default_rng(3)
+    h = jnp.asarray(rng.normal(size=(4, 24, 32)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(96, 32)) * 0.3, jnp.bfloat16)
+    tok = jnp.asarray(rng.integers(0, 96, (4, 24)), jnp.int32)
+    g = jnp.asarray(rng.normal(size=(4, 24)), jnp.float32)
+    def f(w, dtype, chunk):
+        return (chunked_logps(h.astype(dtype), w.astype(dtype), tok, chunk_size=chunk) * g).sum()
+    got = jax.grad(f)(w, jnp.bfloat16, 16)                              # 6 chunks of 4 rows x 4 positions
+    want = jax.grad(f)(w.astype(jnp.float32), jnp.float32, 96)      # float32 throughout, one chunk
+    assert got.dtype == jnp.bfloat16
+    err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+    assert err < 2e-2, err
