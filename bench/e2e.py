@@ -27,7 +27,9 @@ from overhead import ROOT, fmt, launch, ms, summarize   # noqa: E402
 
 RL_SHAPE = ["global_batch_size=64", "num_generations=8", "mini_batch_size=32", "max_prompt_length=64",
             "max_completion_length=256"]
-DPO_SHAPE = ["global_batch_size=32", "max_prompt_length=64", "max_completion_length=256"]
+# 16 pairs: 32 sequences of 320 tokens, the RL update's mini-batch (32 pairs need 8.80 GiB of temporaries beside 6.91 GiB
+# of bf16 weights and AdamW state and the reference's 2.30 GiB: 2.34 GiB short on a 16 GiB v5e, bench/device/README.md)
+DPO_SHAPE = ["global_batch_size=16", "max_prompt_length=64", "max_completion_length=256"]
 EVAL_SMALL = ["eval_num_prompts=64", "eval_k=0"]     # (c), (d): greedy pass@1 on 64 held-out prompts, before and after
 
 

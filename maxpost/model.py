@@ -20,9 +20,10 @@ from .attention import (   # all of them importable from maxpost.model too, thei
 __all__ = ['FAMILIES', 'PRESETS', 'LOGITS_CHUNK_SIZE', 'ModelConfig', 'get_model_config', 'rms_norm', 'RMSNorm',
            'rope_frequencies', 'rope_sin_cos', 'rotate', 'apply_rope', 'dense', 'LoRA', 'project', 'layer_inv_freq',
            'mixed_windows', 'by_window', 'Attention', 'after_read', 'gated', 'MLP', 'Block', 'stack_layers',
-           'stacked_path', 'layer_paths', 'LayerParam', 'LayerView', 'Tape', 'recompute_in_backward', 'init_cache',
-           'grow_cache', 'repeat_cache', 'Decoder', 'weight_decay_mask', 'create_model', 'set_layer_weights',
-           'layer_order', 'num_params', 'TunixPolicy', 'token_logps', 'split_chunks', 'join_chunks', 'chunk_length']
+           'stacked_path', 'layer_paths', 'block_draws', 'init_layers', 'LayerParam', 'LayerView', 'Tape',
+           'recompute_in_backward', 'init_cache', 'grow_cache', 'repeat_cache', 'Decoder', 'weight_decay_mask',
+           'create_model', 'set_layer_weights', 'layer_order', 'num_params', 'TunixPolicy', 'token_logps',
+           'split_chunks', 'join_chunks', 'chunk_length']
 
 # %% ../nbs/02_model.ipynb
 FAMILIES = ("llama", "qwen3", "gemma3")
@@ -389,6 +390,33 @@ def layer_paths(model_or_state) -> list[tuple]:
     return out
 
 # %% ../nbs/02_model.ipynb
+class _LayerKeys:
+    "Stands for `nnx.Rngs` in one layer of `init_layers`: its `params()` gives `fold_in(key, count)` for count = first, first + 1, ... as an `nnx.Rngs` stream does."
+    def __init__(self, key, first): self.key, self.count = key, first
+    def params(self):
+        k = jax.random.fold_in(self.key, self.count)
+        self.count = self.count + 1
+        return k
+
+def block_draws(cfg: ModelConfig) -> int:
+    "How many keys one `Block` draws from `rngs.params()`, counted from shapes (nothing is allocated)."
+    keys = _LayerKeys(jax.random.key(0), 0)
+    nnx.eval_shape(lambda: Block(cfg, rngs=keys))
+    return int(keys.count)
+
+def init_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    "`stack_layers` of `cfg.num_layers` blocks built one after another from `rngs` (the same bits, and `rngs` left as they would leave it), initialised by one `Block` under `jax.vmap`."
+    stream, L, k = rngs.params, cfg.num_layers, block_draws(cfg)
+    key, first = stream.key[...], stream.count[...]
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, rngs=_LayerKeys(key, first))))
+    state = jax.vmap(lambda l: nnx.state(Block(cfg, rngs=_LayerKeys(key, first + k * l))))(jnp.arange(L, dtype=jnp.uint32))
+    stream.count[...] = first + k * L
+    def stacked(v):
+        names = logical_names(v) or (None,) * (v.ndim - 1)
+        return v.replace(v.get_value(), out_sharding=("layers", *names))
+    return nnx.merge(graphdef, jax.tree.map(stacked, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+# %% ../nbs/02_model.ipynb
 class LayerParam:
     "Slice `i` of a stacked variable, read and written like a variable of one layer."
     def __init__(self, var: nnx.Variable, i: int): self.var, self.i = var, i
@@ -501,13 +529,13 @@ def repeat_cache(cache: dict, g: int) -> dict:
 
 # %% ../nbs/02_model.ipynb
 class Decoder(nnx.Module):
-    "Decoder-only transformer for the Llama 3 / Qwen 3 / Gemma 3 families; its layers are one stacked `Block` (see `stack_layers`)."
+    "Decoder-only transformer for the Llama 3 / Qwen 3 / Gemma 3 families; its layers are one stacked `Block` (see `stack_layers`, `init_layers`)."
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None = None):
         rngs = nnx.Rngs(0) if rngs is None else rngs
         self.cfg = cfg
         self.embed = _param(rngs.params(), _normal(0.02 if cfg.tie_embeddings else 1.0),
                             (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.param_dtype)
-        self.layers = stack_layers([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = init_layers(cfg, rngs)     # = stack_layers([Block(cfg, rngs=rngs) for _ in range(L)]), one program
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one, param_dtype=cfg.param_dtype)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs.params(), _fan_in(1), (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
