@@ -47,6 +47,7 @@ LOSS_KEYS = {   # which loss reads which key (12b's `preference_loss` and `kto_l
 @dataclass
 class DPOConfig(TrainConfig, GenerationConfig):
     "Preference optimisation from pairs of a chosen and a rejected reply (DPO (sigmoid), IPO, hinge, ORPO, SimPO), or from replies labelled desirable or not (KTO)."
+    sequences_per_example = 2    # a pair (KTO: a reply beside a mismatched one) is two rows of the step (08: the memory estimate)
     loss_type: str = key("sigmoid", choices=(*LOSS_TYPES, "kto"),
         help="the preference loss: sigmoid (DPO), ipo, hinge, orpo or simpo on pairs, or kto on replies labelled "
              "desirable or not (chapter 12b)")

@@ -266,9 +266,9 @@ def _unshare_prompts(tr: Trainer, why: str) -> bool:
 
 # %% ../nbs/08_train.ipynb
 def _step_tokens(cfg: TrainConfig) -> int:
-    "Tokens of one micro-batch of the training step, over all devices: a sequence is `max_target_length` tokens, or a prompt and its completion."
+    "Tokens of one micro-batch of the training step, over all devices: a sequence is `max_target_length` tokens, or a prompt and its completion; a kind whose example is several sequences (DPO's pairs) says so in `sequences_per_example`."
     seq = getattr(cfg, "max_target_length", None) or getattr(cfg, "max_prompt_length", 0) + getattr(cfg, "max_completion_length", 0)
-    return cfg.global_batch_size // max(cfg.gradient_accumulation_steps, 1) * seq
+    return cfg.global_batch_size // max(cfg.gradient_accumulation_steps, 1) * seq * getattr(cfg, "sequences_per_example", 1)
 
 # %% ../nbs/08_train.ipynb
 def remat_pick(cfg: TrainConfig, model_cfg, params, mesh, *, not_yet_allocated: int = 0) -> tuple[str, str]:

@@ -111,18 +111,26 @@ def test_rl_stops_sharing_prompts_when_two_sets_of_gradients_are_estimated_not_t
     """The estimate at the start (`_start_remat`): room for remat `full`'s activations and one set of gradients but
     not two: the update runs unshared from its first compile, says so on stderr, and trains."""
     from maxpost.memory import activation_bytes
-    from maxpost.train import _step_tokens
-    probe = _rl(tmp_path / "probe", "remat_policy=full")
-    n = probe.mesh.devices.size
-    grads = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(probe.params)) // n
-    act = activation_bytes(probe.model_cfg, _step_tokens(probe.cfg) // n, "full")
-    assert probe.shared_prompts                                        # plenty of host memory: it shares
+    n = jax.device_count()                                             # rows and weights split over the devices
+    cfg = get_model_config("tiny", remat="full")
+    grads = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(nnx.eval_shape(
+        lambda: Decoder(cfg, rngs=nnx.Rngs(0))), nnx.Param))) // n
+    act = activation_bytes(cfg, 8 * (96 + 8) // n, "full")            # 8 rows of a 96-token prompt and 8 tokens
     monkeypatch.setenv("MAXPOST_DEVICE_MEMORY", str(act + grads + grads // 2))
     tr = _rl(tmp_path / "run", "remat_policy=full", "check_memory=false")
     assert tr.fit(progress=False)["step"] == 1
     assert not tr.shared_prompts
     err = capsys.readouterr().err
     assert "two sets of gradients are estimated at" in err and "each prompt with each of its completions" in err, err[-1500:]
+
+
+def test_dpo_s_memory_estimate_counts_both_rows_of_a_pair():
+    """A DPO step of B pairs runs 2B sequences: the estimate behind `remat_policy=auto` (and the shared-prompt choice)
+    counts them, so a 1B DPO step no longer starts at a policy XLA then refuses (two failed compiles on a TPU)."""
+    from maxpost.train import _step_tokens
+    dpo = load_config("dpo", ["global_batch_size=16", "max_prompt_length=64", "max_completion_length=256"])
+    assert _step_tokens(dpo) == 2 * 16 * (64 + 256)
+    assert _step_tokens(load_config("sft", ["global_batch_size=8", "max_target_length=1024"])) == 8 * 1024
 
 
 def test_a_compiled_update_that_does_not_fit_is_tried_again_unshared(tmp_path, monkeypatch, capsys):
