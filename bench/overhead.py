@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("sft", "rl", "dpo", "eval")
-FIRST_PARTS = ("startup", "data", "weights", "compile", "memory_check", "first_eval", "resume", "logger", "first_run")
+FIRST_PARTS = ("startup", "data", "backend", "weights", "compile", "memory_check", "first_eval", "resume", "logger", "first_run")
 STEP_PARTS = ("device", "input", "host", "log", "checkpoint", "eval")
 TOLERANCE = 0.05
 DASH = "—"
@@ -175,15 +175,15 @@ def ms(v): return None if v is None else 1e3 * v
 def table(rows: list[tuple[str, dict]]) -> str:
     """A markdown table of (label, row): process wall time and time to first step with its parts (s), then the
     steady step (ms) and its host overhead."""
-    head = ["command", "process s", "first step s", "seen s", "startup", "data", "weights", "compile (n)", "memory check",
+    head = ["command", "process s", "first step s", "seen s", "startup", "data", "backend", "weights", "compile (n)", "memory check",
             "first eval", "resume", "logger", "first step run", "other", "parts = first?", "first = seen?", "wall step ms", "device ms", "host ms", "host %", "parts = step?", "exit"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for label, r in rows:
         compile_ = fmt(r["first/compile"]) + (f" ({r['compiles']})" if r.get("compiles") is not None else "")
         status = "timeout" if r["timed_out"] else str(r["returncode"])
         cells = [label, fmt(r["wall_s"]), fmt(r["first_step_s"]), fmt(r["first_step_seen_s"]),
-                 *(fmt(r[f"first/{k}"]) for k in FIRST_PARTS[:3]), compile_, fmt(r["first/memory_check"]),
-                 *(fmt(r[f"first/{k}"]) for k in FIRST_PARTS[5:]), fmt(r["first/other"]), fmt(r["first_sum_ok"]), fmt(r.get("first_seen_ok")),
+                 *(fmt(r[f"first/{k}"]) for k in FIRST_PARTS[:4]), compile_, fmt(r["first/memory_check"]),
+                 *(fmt(r[f"first/{k}"]) for k in FIRST_PARTS[6:]), fmt(r["first/other"]), fmt(r["first_sum_ok"]), fmt(r.get("first_seen_ok")),
                  fmt(ms(r["step/step"])), fmt(ms(r["step/device"])), fmt(r.get("host_ms")), fmt(r.get("host_pct"), 2),
                  fmt(r["step_sum_ok"]), status]
         lines.append("| " + " | ".join(cells) + " |")

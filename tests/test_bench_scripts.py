@@ -29,11 +29,11 @@ def test_fallback_drops_the_first_record_and_marks_missing_parts(tmp_path):
     assert row["first_step_s"] == 7.0 and row["steps_done"] == 3 and not row["timing_json"]
     assert row["step/device"] is None and "host_pct" not in row
     assert row["first_sum_ok"] is None and row["step_sum_ok"] is None
-    assert overhead.table([("sft", row)]).endswith("| sft | 20 | 7 | 7 | — | — | — | — | — | — | — | — | — | — | — | — | 300 | — | — | — | — | 0 |")
+    assert overhead.table([("sft", row)]).endswith("| sft | 20 | 7 | 7 | — | — | — | — | — | — | — | — | — | — | — | — | — | 300 | — | — | — | — | 0 |")
 
 
 def test_timing_json_wins_and_host_overhead_is_wall_minus_device(tmp_path):
-    first = {"startup": 2.0, "data": 1.0, "weights": 0.5, "compile": 4.0, "compiles": 3, "memory_check": 0.3,
+    first = {"startup": 2.0, "data": 1.0, "backend": 0.0, "weights": 0.5, "compile": 4.0, "compiles": 3, "memory_check": 0.3,
              "first_eval": 1.9, "resume": 0.0, "logger": 0.0, "first_run": 0.1, "total": 10.0}
     timing = {"first_step": first, "steps": {"step": 0.1, **PARTS}, "steps_timed": 19}
     recs = [{"step": s, "kind": "train", "timing/step": 9.0, "mfu": 0.25} for s in (1, 2, 3)]
@@ -47,7 +47,7 @@ def test_timing_json_wins_and_host_overhead_is_wall_minus_device(tmp_path):
 
 def test_timing_json_keys_with_prefix_and_a_part_of_the_kinds_own(tmp_path):
     "maxpost writes `steps` as timing/<part>; a part beyond STEP_PARTS (RL's rewards) is added; `other` is not."
-    first = {"startup": 2.0, "data": 1.0, "weights": 0.5, "compile": 4.0, "compiles": 3, "memory_check": 0.3,
+    first = {"startup": 2.0, "data": 1.0, "backend": 0.0, "weights": 0.5, "compile": 4.0, "compiles": 3, "memory_check": 0.3,
              "first_eval": 1.0, "resume": 0.0, "logger": 0.0, "first_run": 0.0, "other": 1.2, "total": 10.0}
     steps = {"timing/step": 0.1, **{f"timing/{k}": v for k, v in PARTS.items()}, "timing/rewards": 0.005}
     row = overhead.summarize("rl", launched(), plant(tmp_path / "r", [], {"first_step": first, "steps": steps}))
@@ -95,7 +95,7 @@ from pathlib import Path
 kv = dict(a.split("=", 1) for a in sys.argv[2:])
 d = Path(kv["base_output_directory"]) / kv["run_name"]; d.mkdir(parents=True, exist_ok=True)
 if sys.argv[1] != "eval":
-    first = {"startup": 1.0, "data": 1.0, "weights": 1.0, "compile": 1.0, "compiles": 2, "memory_check": 0.5,
+    first = {"startup": 1.0, "data": 1.0, "backend": 0.0, "weights": 1.0, "compile": 1.0, "compiles": 2, "memory_check": 0.5,
              "first_eval": 0.5, "resume": 0.0, "logger": 0.0, "first_run": 0.0, "total": 5.0}
     (d / "timing.json").write_text(json.dumps({"first_step": first, "steps": {"step": 0.5, "device": 0.3, "input": 0.1,
         "host": 0.1, "log": 0.0, "checkpoint": 0.0, "eval": 0.0}, "steps_timed": 2}))
