@@ -423,7 +423,7 @@ def _chunked_logps_bwd(chunk_len, with_entropy, max_kept, res, cts):
             dz = dz - (dent if n is None else jnp.where(z > -jnp.inf, dent, 0.0))
         dz = (dz / temperature).astype(h.dtype)
         dh = jnp.einsum("btv,vd->btd", dz, w, preferred_element_type=jnp.float32).astype(h.dtype)
-        return dw_dv + jnp.einsum("btd,btv->dv", h, dz, preferred_element_type=jnp.float32).astype(acc), dh   # [D,V], as 07
+        return dw_dv + jnp.einsum("btd,btv->dv", h, dz, preferred_element_type=acc), dh   # [D,V], as in 07
     xs = tuple(None if x is None else split_chunks(x, chunk_len)
                for x in (h_btd, tokens_bt, lse, entropy, g_logp, g_entropy, num_kept_bt))
     dw_dv, dh = jax.lax.scan(body, plus_zero(jnp.zeros(w_vd.shape[::-1], acc), zero_of(g_logp)), xs)

@@ -178,3 +178,10 @@ def test_a_bf16_unembedding_gets_its_gradient_summed_in_bf16_close_to_float32():
     assert got.dtype == jnp.bfloat16
     err = float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
     assert err < 2e-2, err
+    def arrays(jaxpr):                                                  # every value the backward makes, loops included
+        for e in jaxpr.eqns:
+            yield from (v.aval for v in e.outvars)
+            for sub in jax.core.jaxprs_in_params(e.params): yield from arrays(sub)
+    made = list(arrays(jax.make_jaxpr(jax.grad(f), static_argnums=(1, 2))(w, jnp.bfloat16, 16).jaxpr))
+    dw = [a for a in made if getattr(a, "shape", None) in ((32, 96), (96, 32)) and jnp.issubdtype(a.dtype, jnp.floating)]
+    assert dw and all(a.dtype == jnp.bfloat16 for a in dw), sorted({str(a) for a in dw})   # no float32 [D,V] made
