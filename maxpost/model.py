@@ -401,20 +401,23 @@ class _LayerKeys:
 def block_draws(cfg: ModelConfig) -> int:
     "How many keys one `Block` draws from `rngs.params()`, counted from shapes (nothing is allocated)."
     keys = _LayerKeys(jax.random.key(0), 0)
-    nnx.eval_shape(lambda: Block(cfg, rngs=keys))
+    jax.eval_shape(lambda: nnx.state(Block(cfg, rngs=keys)))   # jax's: nnx's would place the shapes on an active mesh
     return int(keys.count)
 
 def init_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
     "`stack_layers` of `cfg.num_layers` blocks built one after another from `rngs` (the same bits, and `rngs` left as they would leave it), initialised by one `Block` under `jax.vmap`."
     stream, L, k = rngs.params, cfg.num_layers, block_draws(cfg)
     key, first = stream.key[...], stream.count[...]
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, rngs=_LayerKeys(key, first))))
-    state = jax.vmap(lambda l: nnx.state(Block(cfg, rngs=_LayerKeys(key, first + k * l))))(jnp.arange(L, dtype=jnp.uint32))
+    box = {}
+    def one(l):
+        box["graphdef"], state = nnx.split(Block(cfg, rngs=_LayerKeys(key, first + k * l)))
+        return state
+    state = jax.vmap(one)(jnp.arange(L, dtype=jnp.uint32))
     stream.count[...] = first + k * L
     def stacked(v):
         names = logical_names(v) or (None,) * (v.ndim - 1)
         return v.replace(v.get_value(), out_sharding=("layers", *names))
-    return nnx.merge(graphdef, jax.tree.map(stacked, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    return nnx.merge(box["graphdef"], jax.tree.map(stacked, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 # %% ../nbs/02_model.ipynb
 class LayerParam:
