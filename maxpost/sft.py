@@ -20,6 +20,7 @@ from .tasks import TASK_VARIANTS, embedded_split, check_held_out
 from .policy import FullWeights, Setup, lora_options, policy_shapes, set_model_options
 from .timing import flops_per_token
 from .train import Trainer, Prefetcher, compile_step_ahead
+from .checkpoint import state_bytes
 from .optimizer import abstract_opt_state, make_optimizer
 from .commands import start_trainer, train_command
 from .step import make_update_step, split_micro_batches
@@ -163,7 +164,7 @@ def early_programs(cls: SFTTrainer, cfg: SFTConfig, mesh) -> dict:
     tx = make_optimizer(cfg)
     opt_state = abstract_opt_state(tx, params, mesh)
     if cfg.remat_policy == "auto":     # what `_start_remat` will pick once the weights and optimizer state are in memory
-        held = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves((params, rest, opt_state)))
+        held = state_bytes(params, rest, opt_state)
         pick, _ = remat_pick(cfg, model.cfg, params, mesh, not_yet_allocated=held // mesh.devices.size)
         graphdef, params, rest = FullWeights().split(set_model_options(model, remat=pick))
     shape = (cfg.global_batch_size, cfg.max_target_length)

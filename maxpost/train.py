@@ -15,7 +15,7 @@ from fastcore.basics import patch
 
 from .config import (RunConfig, TrainConfig, ConfigError, REMAT_POLICIES, derived_defaults, effective_config,
                             resumable_keys, run_dir, to_yaml)
-from .checkpoint import checkpoint_manager, save_limit_gb, save_state, restore_state
+from .checkpoint import checkpoint_manager, save_limit_gb, save_state, restore_state, state_bytes
 from .policy import (Setup, TrainableWeights, model_options, read_model_config, set_model_options, trainable_weights,
                             use_compilation_cache)
 from .rundir import RunLock, MetricsLogger, as_scalar, read_metrics
@@ -274,7 +274,7 @@ def _step_tokens(cfg: TrainConfig) -> int:
 def remat_pick(cfg: TrainConfig, model_cfg, params, mesh, *, not_yet_allocated: int = 0) -> tuple[str, str]:
     "`remat_to_start` for the step of `cfg`: per device, its tokens, gradients the size of `params` (arrays or shapes) and the free memory, less `not_yet_allocated` bytes when the device reports its own (what a start from shapes has not yet put there)."
     n = mesh.devices.size
-    grads = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)) // n
+    grads = state_bytes(params) // n
     free, what = device_memory()
     return remat_to_start(model_cfg, _step_tokens(cfg) // n, grads, free - (not_yet_allocated if what.startswith("free ") else 0))
 
@@ -288,7 +288,7 @@ def _start_remat(tr: Trainer) -> None:
         if pick != tr.model_cfg.remat: _set_remat(tr, pick)
     if tr.shared_prompts:
         n, (free, _) = tr.mesh.devices.size, device_memory()
-        grads = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tr.params)) // n
+        grads = state_bytes(tr.params) // n
         need = activation_bytes(tr.model_cfg, _step_tokens(tr.cfg) // n, tr.model_cfg.remat) + 2 * grads
         if need > free: _unshare_prompts(tr, f"the update's activations and two sets of gradients are estimated at "
                                              f"{_gib(need)} per device, {_gib(free)} free")

@@ -80,7 +80,8 @@ def test_the_dpo_step_is_the_same_with_and_without_shared_prompts():
         np.testing.assert_allclose(a, c, atol=2e-6, rtol=1e-5)
 
 
-def _update_temporaries(share: bool) -> int:
+def _update_temporaries(share: bool) -> tuple[int, int]:
+    "(temporary bytes of the compiled RL update, bytes of its weights) at a shape where the weights outweigh the activations."
     cfg = get_model_config("tiny", vocab_size=8192, d_model=256, num_layers=4, num_heads=4, num_kv_heads=2,
                            head_dim=64, mlp_dim=1024, remat="full")
     gd, params, rest = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
