@@ -12,7 +12,7 @@ import jax, yaml
 
 from .config import RunConfig, TrainConfig, ConfigError, kind_of, load_config, split_base, run_dir
 from .checkpoint import checkpoint_size, describe_size
-from .tasks import prepare_embedded_task
+from .tasks import prepare_embedded_task, start_embedded_task
 from .policy import check_inputs, load_policy, make_run_mesh, setup_run, use_compilation_cache
 from .timing import Clock, compile_watch
 from .compile import EarlyPrograms
@@ -61,8 +61,9 @@ def command_config(kind, argv=None) -> RunConfig:
 
 # %% ../nbs/08c_commands.ipynb
 def start_trainer(trainer: type, cfg: TrainConfig, *, announce: bool = False, **kw) -> Trainer:
-    "`trainer(cfg, setup, **kw)` with the setup a command builds for it: the clock started here, the run directory checked, the mesh (timed as `backend`: the accelerator's runtime starts), the kind's `early_programs` and a random policy started on a thread (`EarlyPrograms`) while the embedded task is prepared (timed as `data`), then `setup_run` with the kind's `setup_options` (timed as `weights`); `announce` prints the start line."
+    "`trainer(cfg, setup, **kw)` with the setup a command builds for it: the clock started here, the run directory checked, the embedded task's files started in a child process (`start_embedded_task`), the mesh (timed as `backend`: the accelerator's runtime starts), the kind's `early_programs` and a random policy started on a thread (`EarlyPrograms`) while the embedded task is prepared (timed as `data`), then `setup_run` with the kind's `setup_options` (timed as `weights`); `announce` prints the start line."
     clock, started = Clock(), time.time()            # `started`: the end of start-up (process start to here)
+    writer = start_embedded_task(cfg)                 # a child process writes the embedded task meanwhile (05_tasks)
     compile_watch(); use_compilation_cache(cfg)       # before the first compilation
     with clock("backend"):   # the first device query starts the accelerator's runtime: seconds on a TPU (see 07g_compile)
         jax.process_index(); opts = trainer.setup_options(cfg); mesh = make_run_mesh(cfg, opts.get("devices"))
@@ -71,7 +72,9 @@ def start_trainer(trainer: type, cfg: TrainConfig, *, announce: bool = False, **
     early = EarlyPrograms(mesh, partial(trainer.early_programs, cfg), load)
     task = None
     if not cfg.dataset_name:
-        with clock("data"): task = prepare_embedded_task(cfg)     # written once; its tokenizer is the setup's
+        with clock("data"):
+            if writer is not None: writer.wait()
+            task = prepare_embedded_task(cfg)     # written once; its tokenizer is the setup's
     with clock("weights"):
         early.wait()
         setup = setup_run(cfg, task=task, announce=announce, policy=early.loaded, **opts)

@@ -52,17 +52,17 @@ def eval_dir(cfg: RunConfig) -> Path:
     return run_dir(dataclasses.replace(cfg, run_name=f"{name}-{digest}"))
 
 # %% ../nbs/14a_eval_command.ipynb
-def run_evaluation(cfg: EvalConfig, *, progress: bool = False, announce: bool = False) -> dict:
-    "Evaluate the policy at `cfg.load_parameters_path`; log a kind='eval' record and write eval.json under `eval_dir(cfg)`."
+def run_evaluation(cfg: EvalConfig, *, progress: bool = False, announce: bool = False, loaded=None, program=None) -> dict:
+    "Evaluate the policy at `cfg.load_parameters_path`; log a kind='eval' record and write eval.json under `eval_dir(cfg)`. `loaded`: a `Setup` already holding that policy (its weights in memory: not read again); `program`: a `SamplingProgram` for it (`evaluate`'s)."
     import jax
     if not cfg.load_parameters_path:
         raise ConfigError("maxpost eval needs load_parameters_path= (a maxpost run directory, one of its "
                           "checkpoints/<step> directories, or a Hugging Face directory)")
     out_dir, primary = eval_dir(cfg), jax.process_index() == 0
     with RunLock(out_dir, enabled=primary):
-        s, examples = setup_run(cfg, announce=announce), load_eval_examples(cfg)
+        s, examples = loaded if loaded is not None else setup_run(cfg, announce=announce), load_eval_examples(cfg)
         with jax.set_mesh(s.mesh):
-            res = held_out_metrics(cfg, s.model, s.tokenizer, examples, return_completions=True)
+            res = held_out_metrics(cfg, s.model, s.tokenizer, examples, return_completions=True, program=program)
         completions, step = res.pop("completions"), _checkpoint_step(cfg.load_parameters_path)
         if primary:
             log = MetricsLogger(out_dir, total_steps=1, progress=progress, show=("pass@1",))   # a new evaluation replaces the last one

@@ -305,7 +305,7 @@ def __call__(self: Attention, x_btd, sin_cos, spans: Spans, kv=None, local=None,
                                                       implementation=c.attention))
         return project(self, "o_proj", o_btnh, proj, 2), None
     k_cache, v_cache, index = kv
-    step = q_btnh.shape[1] == 1 and c.num_kv_heads == 1   # read the cache, then write it: see `attend_step`
+    step = q_btnh.shape[1] == 1                          # read the cache, then write it: see `attend_step`
     if step:
         o_btnh = by_window(c, local, lambda w: attend_step(q_btnh, k_cache.astype(dt), v_cache.astype(dt), k_bkht, v_bkth,
                                                            spans, index, scale, w))

@@ -20,6 +20,9 @@ from .tasks import TASK_VARIANTS, embedded_split, check_held_out
 from .policy import FullWeights, Setup, lora_options, policy_shapes, set_model_options
 from .timing import flops_per_token
 from .train import Trainer, Prefetcher, compile_step_ahead
+from .compile import StepCompiler, compile_ahead
+from .prompts import prompt_token_ids, stop_token_ids
+from .sampling import SamplingProgram, bucket_length, make_sample_fn, seed_key_data, stop_id_array
 from .checkpoint import state_bytes
 from .optimizer import abstract_opt_state, make_optimizer
 from .commands import start_trainer, train_command
@@ -29,7 +32,7 @@ from .eval_command import run_evaluation
 
 # %% auto 0
 __all__ = ['KIND', 'SFTConfig', 'make_sft_step', 'make_eval_step', 'sft_data', 'evaluate_loss', 'SFTTrainer', 'train_sft',
-           'held_out_after_sft', 'main']
+           'held_out_after_sft', 'held_out_program', 'main']
 
 # %% ../nbs/14c_sft.ipynb
 @dataclass
@@ -146,7 +149,8 @@ def build_steps(self: SFTTrainer) -> None:
     cfg = self.cfg
     self.step_fn = self.compiled(make_sft_step(self.graphdef, self.tx, accum=cfg.gradient_accumulation_steps,
                                                z_loss=cfg.z_loss, chunk_size=cfg.logits_chunk_size), "the SFT step")
-    self.eval_fn = make_eval_step(self.graphdef, chunk_size=cfg.logits_chunk_size)
+    self.eval_fn = StepCompiler(make_eval_step(self.graphdef, chunk_size=cfg.logits_chunk_size))
+    self.held_out, self._ahead_after_first = None, True   # `_compile_rest_ahead`
 
 @patch
 def _prepare(self: SFTTrainer, batch: dict) -> tuple:
@@ -177,6 +181,7 @@ def early_programs(cls: SFTTrainer, cfg: SFTConfig, mesh) -> dict:
 def train_step(self: SFTTrainer) -> dict:
     with self.clock("input"): batch, num_tokens = next(self.batches)
     self.params, self.opt_state, m = self.run_step("step_fn", self.params, self.rest, self.opt_state, batch)
+    if self._ahead_after_first: self._ahead_after_first = False; self._compile_rest_ahead(batch)
     return {**m, "num_tokens": num_tokens}
 
 @patch
@@ -199,22 +204,62 @@ def train_sft(cfg: SFTConfig, *, progress: bool = True) -> dict:
     return start_trainer(SFTTrainer, cfg, progress=progress).fit(progress=progress)
 
 # %% ../nbs/14c_sft.ipynb
-def held_out_after_sft(cfg: SFTConfig) -> dict | None:
-    "Greedy pass@1 and format rate of an SFT run's final policy on its first `eval_num_prompts` held-out problems, by `maxpost eval`'s code and defaults (the record lands in `eval-<run_name>` beside the run); None, with the reason on stderr, when `eval_num_prompts` is 0 or the held-out rows have no question and answer."
+def _held_out_config(cfg: SFTConfig):
+    "The `maxpost eval` config of the held-out check after SFT (greedy, on the run's final checkpoint), or None when `eval_num_prompts` is 0."
     if not cfg.eval_num_prompts: return None
-    ecfg = eval_config_for(cfg, load_parameters_path=str(run_dir(cfg)), model_overrides={},
-                          environment="" if cfg.dataset_name else TASK_VARIANTS[cfg.embedded_task].environment,
-                          eval_num_prompts=cfg.eval_num_prompts, eval_k=0)
+    return eval_config_for(cfg, load_parameters_path=str(run_dir(cfg)), model_overrides={},
+                           environment="" if cfg.dataset_name else TASK_VARIANTS[cfg.embedded_task].environment,
+                           eval_num_prompts=cfg.eval_num_prompts, eval_k=0)
+
+def held_out_after_sft(cfg: SFTConfig, trainer: SFTTrainer | None = None) -> dict | None:
+    "Greedy pass@1 and format rate of an SFT run's final policy on its first `eval_num_prompts` held-out problems, by `maxpost eval`'s code and defaults (the record lands in `eval-<run_name>` beside the run); None, with the reason on stderr, when `eval_num_prompts` is 0 or the held-out rows have no question and answer. With the `trainer` that just ran, through the sampler it compiled while training (`SFTTrainer.held_out`) on its final weights in memory (the arrays its last checkpoint holds), where it has one."
+    ecfg = _held_out_config(cfg)
+    if ecfg is None: return None
     try: load_eval_examples(ecfg)
     except ConfigError as e:
         print(f"no held-out pass@1 after SFT ({e}); eval_num_prompts=0 skips this check", file=sys.stderr)
         return None
-    return run_evaluation(ecfg)
+    if getattr(trainer, "held_out", None) is None: return run_evaluation(ecfg)
+    model = nnx.merge(trainer.graphdef, trainer.params, trainer.rest)   # the arrays the last checkpoint holds
+    loaded = Setup(trainer.mesh, trainer.tokenizer, run_dir(cfg), {"policy": model})
+    return run_evaluation(ecfg, loaded=loaded, program=trainer.held_out)
+
+# %% ../nbs/14c_sft.ipynb
+def _shapes(tree):
+    "`tree`'s arrays as `jax.ShapeDtypeStruct`s with their shardings: what a compile needs, not the arrays (a donated step may delete them)."
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+def held_out_program(cfg: SFTConfig, model, tokenizer) -> tuple | None:
+    "`(program, args)`: the `SamplingProgram` the held-out check after SFT (`held_out_after_sft`) runs on `model` (greedy; `maxpost eval`'s 64 rows per call; every held-out prompt padded to the longest one's bucket) and the arguments, as shapes, to compile it for; None where there is no check, or it plays an environment."
+    ecfg = _held_out_config(cfg)
+    if ecfg is None or ecfg.environment: return None
+    try: examples = load_eval_examples(ecfg)
+    except ConfigError: return None
+    prompts = prompt_token_ids(tokenizer, [e["question"] for e in examples], ecfg.prompt_template)
+    rows, T = min(64, len(prompts)), ecfg.max_completion_length          # 64: `evaluate`'s batch_size
+    P = bucket_length(max(map(len, prompts)), ecfg.max_prompt_length)
+    graphdef, state = nnx.split(model)
+    program = SamplingProgram(graphdef, rows=rows, block=rows, max_completion_length=T, min_bucket=P,
+                              fn=StepCompiler(make_sample_fn(graphdef, max_completion_length=T, block=rows)))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    knobs = (np.float32(0.0), np.int32(ecfg.top_k), np.float32(ecfg.top_p), stop_id_array(stop_token_ids(tokenizer)), np.int32(pad))
+    ids = np.zeros((rows, P), np.int32)
+    return program, (_shapes(state), *program.inputs(ids, ids, 1, seed_key_data(ecfg.seed), *knobs))
+
+@patch
+def _compile_rest_ahead(self: SFTTrainer, batch: dict) -> None:
+    "After the first step: the eval-loss step for `batch`'s shapes and, where the held-out check can take it, its sampler (`held_out_program`, kept as `self.held_out`), compiling on threads."
+    compile_ahead(self.eval_fn, _shapes(self.params), _shapes(self.rest), _shapes(batch), mesh=self.mesh)
+    if not isinstance(self.weights, FullWeights) or jax.process_count() > 1: return
+    got = held_out_program(self.cfg, nnx.merge(self.graphdef, self.params, self.rest), self.tokenizer)
+    if got is not None:
+        self.held_out, args = got
+        compile_ahead(self.held_out.fn, *args, mesh=self.mesh)
 
 # %% ../nbs/14c_sft.ipynb
 def _held_out_report(trainer: SFTTrainer, out: dict) -> list[str]:
     "After the run: greedy pass@1 on held-out problems (`held_out_after_sft`), added to `out`, and its line."
-    res = None if out.get("already_finished") else held_out_after_sft(trainer.cfg)   # a finished run was checked when it finished
+    res = None if out.get("already_finished") else held_out_after_sft(trainer.cfg, trainer)   # a finished run was checked when it finished
     if not res: return []
     out |= {"held_out_pass@1": res["pass@1"], "held_out_format_rate": res["format_rate"]}
     return [f"held-out ({res['num_prompts']} problems) after SFT: pass@1 {100 * res['pass@1']:.1f} %, "

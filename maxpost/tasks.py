@@ -9,11 +9,11 @@ __all__ = ['NAMES', 'ITEMS', 'SYSTEM_PROMPT', 'TASK_FILES', 'SHORTCUT_SHARE', 'H
            'generate_problems', 'make_splits', 'prompt_messages', 'format_completion', 'is_answer_only',
            'skip_last_step', 'sft_messages', 'write_embedded_task', 'tokenizer_corpus', 'build_tokenizer',
            'TaskVariant', 'prepare_task', 'prepare_embedded', 'embedded_task_dir', 'prepare_embedded_task',
-           'embedded_split', 'check_held_out', 'build_calculator_tokenizer', 'calculator_messages',
-           'write_calculator_task', 'prepare_calculator_task']
+           'start_embedded_task', 'embedded_split', 'check_held_out', 'build_calculator_tokenizer',
+           'calculator_messages', 'write_calculator_task', 'prepare_calculator_task']
 
 # %% ../nbs/05_tasks.ipynb
-import json, os, random, re, string
+import importlib.util, json, os, random, re, string, subprocess, sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -296,6 +296,17 @@ def prepare_embedded_task(cfg: RunConfig) -> dict[str, str]:
         raise ConfigError(f"could not write the embedded task (about 15 MB) into {d}: {e.strerror or e} "
                           f"({e.filename or d}); free space there or set base_output_directory= to a writable "
                           "directory with room") from None
+
+# %% ../nbs/05_tasks.ipynb
+def start_embedded_task(cfg: RunConfig) -> subprocess.Popen | None:
+    "A child process writing the embedded task of `cfg` (`prepare_task`, as `prepare_embedded_task` would) when its manifest is not written yet; None when it is, when the run names a dataset, or for an unknown variant (`prepare_embedded_task` says so)."
+    d, v = embedded_task_dir(cfg), _variant(cfg)
+    if getattr(cfg, "dataset_name", "") or v not in TASK_VARIANTS or (d / "embedded.json").exists(): return None
+    root = str(Path(importlib.util.find_spec("maxpost").origin).resolve().parents[1])   # this maxpost, wherever it comes from
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    code = "import sys; from maxpost.tasks import prepare_task; prepare_task(sys.argv[1], sys.argv[2], seed=int(sys.argv[3]))"
+    return subprocess.Popen([sys.executable, "-c", code, str(d), v, str(TASK_SEED)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 # %% ../nbs/05_tasks.ipynb
 def embedded_split(cfg: RunConfig, split: str, prefix: str = "") -> tuple[str, str]:
