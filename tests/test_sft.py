@@ -321,3 +321,24 @@ def test_the_step_is_compiled_ahead_while_the_data_loads_and_only_once(tmp_path)
     t = json.loads((run_dir(cfg) / "timing.json").read_text())
     assert "step" in t["programs"] and "eval_step" not in t["programs"], t["programs"]   # before the first step
     assert any("eval" in k for k in t["later_programs"]), t["later_programs"]
+
+
+def test_the_held_out_check_runs_the_sampler_compiled_while_training(tmp_path):
+    """issue 47 item 3: after its first step SFT compiles the eval step and the held-out check's sampler on threads;
+    the check runs that program on the final weights in memory and writes what `maxpost eval` of the saved
+    checkpoint writes, completion for completion."""
+    from maxpost.commands import start_trainer
+    from maxpost.sft import SFTTrainer, held_out_after_sft, _held_out_config
+    from maxpost.eval_command import run_evaluation
+    cfg = load_config("sft", [f"base_output_directory={tmp_path}", "run_name=h", "steps=3", "eval_num_prompts=8", *SMALL])
+    tr = start_trainer(SFTTrainer, cfg)
+    tr.fit(progress=False)
+    assert tr.held_out is not None and len(tr.eval_fn.programs) == 1 and not tr.eval_fn.ahead
+    in_memory = held_out_after_sft(cfg, tr)
+    assert len(tr.held_out.fn.programs) == 1 and not tr.held_out.fn.ahead   # the program compiled while training
+    record = lambda: json.loads(next(tmp_path.glob("eval-*/eval.json")).read_text())
+    mem = record()
+    from_disk = run_evaluation(_held_out_config(cfg))                      # `maxpost eval`'s path: read back
+    disk = record()
+    assert in_memory == from_disk and mem["metrics"] == disk["metrics"]
+    assert [c["completion"] for c in mem["completions"]] == [c["completion"] for c in disk["completions"]]

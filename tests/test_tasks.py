@@ -221,3 +221,32 @@ def test_a_runs_seed_does_not_rewrite_the_embedded_task(tmp_path, monkeypatch):
     for seed in (0, 3):
         t.prepare_embedded_task(load_config(TrainConfig, ["run_name=x", f"base_output_directory={tmp_path}", f"seed={seed}"]))
     assert asked == [t.TASK_SEED, t.TASK_SEED] == [0, 0]
+
+
+def test_the_embedded_task_written_by_a_child_process_is_the_one_written_here(tmp_path):
+    """issue 47 item 6: a command starts the embedded task's writer as a child process (`start_embedded_task`) while
+    the runtime starts; the files it writes are those `prepare_task` writes in this process, and a second start
+    finds them written."""
+    from maxpost.config import RunConfig
+    from maxpost.tasks import prepare_embedded_task, prepare_task, start_embedded_task
+    cfg = RunConfig(base_output_directory=str(tmp_path / "child"))
+    child = start_embedded_task(cfg)
+    assert child is not None and child.wait() == 0
+    assert start_embedded_task(cfg) is None
+    here = prepare_task(tmp_path / "here")
+    for name, path in prepare_embedded_task(cfg).items():
+        if name != "tokenizer": assert open(path, "rb").read() == open(here[name], "rb").read(), name
+    for f in ("tokenizer.json", "tokenizer_config.json", "embedded.json"):
+        assert (tmp_path / "child" / "embedded_task" / f).read_bytes() == (tmp_path / "here" / f).read_bytes(), f
+
+
+def test_a_child_that_cannot_write_the_task_leaves_the_one_line_error_to_the_command(tmp_path):
+    "A child that fails (here: its directory's parent is a file) writes no manifest; the command's own write says why."
+    from maxpost.config import ConfigError, RunConfig
+    from maxpost.tasks import prepare_embedded_task, start_embedded_task
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    cfg = RunConfig(base_output_directory=str(blocker))
+    child = start_embedded_task(cfg)
+    assert child is not None and child.wait() != 0
+    with pytest.raises(ConfigError, match="could not write the embedded task"): prepare_embedded_task(cfg)
