@@ -150,7 +150,7 @@ def build_steps(self: SFTTrainer) -> None:
     self.step_fn = self.compiled(make_sft_step(self.graphdef, self.tx, accum=cfg.gradient_accumulation_steps,
                                                z_loss=cfg.z_loss, chunk_size=cfg.logits_chunk_size), "the SFT step")
     self.eval_fn = StepCompiler(make_eval_step(self.graphdef, chunk_size=cfg.logits_chunk_size))
-    self.held_out, self._ahead_after_first = None, True   # `_compile_rest_ahead`
+    self.held_out, self._steps_run = None, 0   # `_compile_rest_ahead`, at this process's second step
 
 @patch
 def _prepare(self: SFTTrainer, batch: dict) -> tuple:
@@ -180,8 +180,9 @@ def early_programs(cls: SFTTrainer, cfg: SFTConfig, mesh) -> dict:
 @patch
 def train_step(self: SFTTrainer) -> dict:
     with self.clock("input"): batch, num_tokens = next(self.batches)
+    if self._steps_run == 1: self._compile_rest_ahead(batch)   # the first step has ended: none of this counts in it
+    self._steps_run += 1
     self.params, self.opt_state, m = self.run_step("step_fn", self.params, self.rest, self.opt_state, batch)
-    if self._ahead_after_first: self._ahead_after_first = False; self._compile_rest_ahead(batch)
     return {**m, "num_tokens": num_tokens}
 
 @patch
@@ -248,7 +249,7 @@ def held_out_program(cfg: SFTConfig, model, tokenizer) -> tuple | None:
 
 @patch
 def _compile_rest_ahead(self: SFTTrainer, batch: dict) -> None:
-    "After the first step: the eval-loss step for `batch`'s shapes and, where the held-out check can take it, its sampler (`held_out_program`, kept as `self.held_out`), compiling on threads."
+    "At the second step (the first one has ended): the eval-loss step for `batch`'s shapes and, where the held-out check can take it, its sampler (`held_out_program`, kept as `self.held_out`), compiling on threads."
     compile_ahead(self.eval_fn, _shapes(self.params), _shapes(self.rest), _shapes(batch), mesh=self.mesh)
     if not isinstance(self.weights, FullWeights) or jax.process_count() > 1: return
     got = held_out_program(self.cfg, nnx.merge(self.graphdef, self.params, self.rest), self.tokenizer)
