@@ -22,9 +22,9 @@ from .environments import (ENVIRONMENT_TIMEOUT_S, EpisodeConfig, episode_limits,
                                   environment_factory, make_environments, rollout_episodes)
 
 # %% auto 0
-__all__ = ['EvalConfig', 'eval_config_for', 'load_examples', 'load_eval_examples', 'pass_at_k', 'majority_vote', 'score_samples',
-           'evaluate', 'format_table', 'eval_options', 'evaluate_episodes', 'held_out_metrics', 'show_generations',
-           'held_out_table']
+__all__ = ['EVAL_BATCH_SIZE', 'EvalConfig', 'eval_config_for', 'load_examples', 'load_eval_examples', 'pass_at_k',
+           'majority_vote', 'score_samples', 'evaluate', 'format_table', 'eval_options', 'evaluate_episodes',
+           'held_out_metrics', 'show_generations', 'held_out_table']
 
 # %% ../nbs/14_evaluate.ipynb
 @dataclass
@@ -122,9 +122,11 @@ def _chunks(prompts: list, size: int):
         yield i, chunk + [chunk[0]] * (size - len(chunk)), len(chunk)
 
 # %% ../nbs/14_evaluate.ipynb
+EVAL_BATCH_SIZE = 64   # prompts per sampling call of `evaluate` (and of the held-out check after SFT, chapter 14c)
+
 def evaluate(model, tokenizer, examples: Sequence[dict], *, k: int = 8, template: str = "gsm8k",
              max_prompt_length: int = 128, max_completion_length: int = 128, temperature: float = 1.0,
-             top_k: int = 0, top_p: float = 1.0, batch_size: int = 64, seed: int = 0,
+             top_k: int = 0, top_p: float = 1.0, batch_size: int = EVAL_BATCH_SIZE, seed: int = 0,
              return_completions: bool = False, program=None) -> dict:
     "pass@1, pass@k, maj@k, format rate, greedy length and truncation of `model` on `examples` (`question`, `answer`). With `program` (a run's `SamplingProgram`, chapter `10_sampling`), in calls of its rows: greedy over `rows` prompts, k samples of `rows // k`."
     from maxpost.sampling import generate

@@ -23,11 +23,11 @@ from .train import Trainer, Prefetcher, compile_step_ahead
 from .compile import StepCompiler, compile_ahead
 from .prompts import prompt_token_ids, stop_token_ids
 from .sampling import SamplingProgram, bucket_length, make_sample_fn, seed_key_data, stop_id_array
-from .checkpoint import state_bytes
+from .checkpoint import _abstract, state_bytes
 from .optimizer import abstract_opt_state, make_optimizer
 from .commands import start_trainer, train_command
 from .step import make_update_step, split_micro_batches
-from .evaluate import eval_config_for, load_eval_examples
+from .evaluate import EVAL_BATCH_SIZE, eval_config_for, load_eval_examples
 from .eval_command import run_evaluation
 
 # %% auto 0
@@ -226,18 +226,14 @@ def held_out_after_sft(cfg: SFTConfig, trainer: SFTTrainer | None = None) -> dic
     return run_evaluation(ecfg, loaded=loaded, program=trainer.held_out)
 
 # %% ../nbs/14c_sft.ipynb
-def _shapes(tree):
-    "`tree`'s arrays as `jax.ShapeDtypeStruct`s with their shardings: what a compile needs, not the arrays (a donated step may delete them)."
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
 def held_out_program(cfg: SFTConfig, model, tokenizer) -> tuple | None:
-    "`(program, args)`: the `SamplingProgram` the held-out check after SFT (`held_out_after_sft`) runs on `model` (greedy; `maxpost eval`'s 64 rows per call; every held-out prompt padded to the longest one's bucket) and the arguments, as shapes, to compile it for; None where there is no check, or it plays an environment."
+    "`(program, args)`: the `SamplingProgram` the held-out check after SFT (`held_out_after_sft`) runs on `model` (greedy; `maxpost eval`'s `EVAL_BATCH_SIZE` rows per call; every held-out prompt padded to the longest one's bucket) and the arguments, as shapes, to compile it for; None where there is no check, or it plays an environment."
     ecfg = _held_out_config(cfg)
     if ecfg is None or ecfg.environment: return None
     try: examples = load_eval_examples(ecfg)
     except ConfigError: return None
     prompts = prompt_token_ids(tokenizer, [e["question"] for e in examples], ecfg.prompt_template)
-    rows, T = min(64, len(prompts)), ecfg.max_completion_length          # 64: `evaluate`'s batch_size
+    rows, T = min(EVAL_BATCH_SIZE, len(prompts)), ecfg.max_completion_length
     P = bucket_length(max(map(len, prompts)), ecfg.max_prompt_length)
     graphdef, state = nnx.split(model)
     program = SamplingProgram(graphdef, rows=rows, block=rows, max_completion_length=T, min_bucket=P,
@@ -245,12 +241,12 @@ def held_out_program(cfg: SFTConfig, model, tokenizer) -> tuple | None:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     knobs = (np.float32(0.0), np.int32(ecfg.top_k), np.float32(ecfg.top_p), stop_id_array(stop_token_ids(tokenizer)), np.int32(pad))
     ids = np.zeros((rows, P), np.int32)
-    return program, (_shapes(state), *program.inputs(ids, ids, 1, seed_key_data(ecfg.seed), *knobs))
+    return program, (_abstract(state), *program.inputs(ids, ids, 1, seed_key_data(ecfg.seed), *knobs))
 
 @patch
 def _compile_rest_ahead(self: SFTTrainer, batch: dict) -> None:
     "At the second step (the first one has ended): the eval-loss step for `batch`'s shapes and, where the held-out check can take it, its sampler (`held_out_program`, kept as `self.held_out`), compiling on threads."
-    compile_ahead(self.eval_fn, _shapes(self.params), _shapes(self.rest), _shapes(batch), mesh=self.mesh)
+    compile_ahead(self.eval_fn, *_abstract((self.params, self.rest, batch)), mesh=self.mesh)   # shapes: the step donates the arrays
     if not isinstance(self.weights, FullWeights) or jax.process_count() > 1: return
     got = held_out_program(self.cfg, nnx.merge(self.graphdef, self.params, self.rest), self.tokenizer)
     if got is not None:
