@@ -16,11 +16,11 @@ from fastcore.basics import patch
 from .config import ConfigError
 
 # %% auto 0
-__all__ = ['END_OF_TURN_TOKENS', 'FORMATS', 'DATA_FORMATS', 'TRAIN_ON', 'CHAT_ROLES', 'load_tokenizer', 'warn_missing_template',
-           'detect_format', 'dataset_splits', 'load_dataset_split', 'same_rows', 'assistant_spans', 'encode_chat',
-           'show_mask', 'check_no_nulls', 'encode_example', 'Examples', 'tokenize_dataset', 'check_examples',
-           'pack_best_fit', 'make_rows', 'padding_fraction', 'BatchIterator', 'make_sft_iterator', 'encode_prompt',
-           'PromptIterator']
+__all__ = ['END_OF_TURN_TOKENS', 'FORMATS', 'DATA_FORMATS', 'TRAIN_ON', 'DATASETS_CACHE', 'CHAT_ROLES', 'load_tokenizer',
+           'warn_missing_template', 'detect_format', 'dataset_splits', 'load_dataset_split', 'same_rows',
+           'assistant_spans', 'encode_chat', 'show_mask', 'check_no_nulls', 'encode_example', 'Examples',
+           'tokenize_dataset', 'check_examples', 'pack_best_fit', 'make_rows', 'padding_fraction', 'BatchIterator',
+           'make_sft_iterator', 'encode_prompt', 'PromptIterator']
 
 # %% ../nbs/04_data.ipynb
 _VOCAB_FILES = ("tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "tokenizer.tiktoken")  # slow tokenizers'
@@ -212,6 +212,14 @@ def _select(splits: dict, split: str):
     return chosen[0] if len(chosen) == 1 else datasets.concatenate_datasets(chosen)
 
 # %% ../nbs/04_data.ipynb
+DATASETS_CACHE = ".datasets_cache"   # a data directory holding this folder keeps datasets' arrow copies of its files in it
+
+def _cache_beside(files) -> str | None:
+    "The `DATASETS_CACHE` folder of the one directory that holds all of `files`, where it exists; else None (datasets' own cache)."
+    dirs = {Path(f).parent for f in files}
+    return str(c) if len(dirs) == 1 and (c := dirs.pop() / DATASETS_CACHE).is_dir() else None
+
+# %% ../nbs/04_data.ipynb
 def load_dataset_split(name_or_path: str | Path, split: str = "train", *, dataset_config: str = "",
                        data_files: str | Sequence[str] | dict | None = None):
     "One split of a dataset: a hub name, a local directory, jsonl/json/parquet/csv file(s) or `reasoning_gym:<task>`; an unknown split is an error."
@@ -230,7 +238,8 @@ def load_dataset_split(name_or_path: str | Path, split: str = "train", *, datase
             raise ConfigError(f"cannot tell the file type of {flat[0]!r}; use one of {sorted(_BUILDERS)}")
         builder = _check_files(flat)
         try:
-            if one_file: return datasets.load_dataset(builder, data_files={n: files[n] for n in names}, split=split)
+            if one_file: return datasets.load_dataset(builder, data_files={n: files[n] for n in names}, split=split,
+                                                      cache_dir=_cache_beside(flat))
             return datasets.load_dataset(str(p), dataset_config or None, split=split)
         except Exception as e:
             raise ConfigError(f"cannot read the dataset file(s) {flat}: {_root_cause(e)}") from e

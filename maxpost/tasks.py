@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from .config import ConfigError, RunConfig, TrainConfig, eval_source
+from .data import DATASETS_CACHE
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 # %% ../nbs/05_tasks.ipynb
@@ -269,6 +270,7 @@ def prepare_task(directory, variant: str = "default", *, seed: int = 0, n_train:
     v.write(directory, seed=seed, n_train=n_train, n_test=n_test, system_prompt=system_prompt,
             shortcut_share=shortcut_share, hasty_error_rate=hasty_error_rate, **opts, **kw)
     v.tokenizer(directory)
+    (directory / DATASETS_CACHE).mkdir(exist_ok=True)   # datasets' arrow copies of these files stay here (04_data)
     tmp = manifest.with_name(f"embedded.json.tmp{os.getpid()}"); tmp.write_text(json.dumps(record, indent=1)); os.replace(tmp, manifest)
     return paths
 

@@ -14,8 +14,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Test processes (pytest workers, the CLI and notebook subprocesses they start) compile the same small programs
 # again and again; JAX's persistent compilation cache lets a later process reuse an earlier one's executable.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), "maxpost-tests-jax-cache"))
-# Tokenized datasets (maxpost.data) are cached per user; tests keep theirs out of the home directory.
-os.environ.setdefault("MAXPOST_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), "maxpost-tests-cache"))
+# Tokenized datasets (maxpost.data) and datasets' arrow copies of local files are cached per user, under keys that
+# follow the files' paths; the tests' files live in fresh temporary directories, so those caches only grew (21 GB of
+# arrow copies in the home directory of a host that ran the suite a few times in a day, until its disk was full). One
+# pair of directories serves a whole session (the pytest workers and the commands they start inherit them) and is
+# removed when the process that made it exits.
+if "MAXPOST_CACHE_DIR" not in os.environ:
+    import atexit, shutil, tempfile
+    _session_cache = tempfile.mkdtemp(prefix="maxpost-tests-cache-")
+    atexit.register(shutil.rmtree, _session_cache, True)
+    os.environ["MAXPOST_CACHE_DIR"] = _session_cache
+    os.environ.setdefault("HF_DATASETS_CACHE", os.path.join(_session_cache, "datasets"))
 
 # The kinds of run register themselves when their modules are imported (chapter 00_config): import them all, as the
 # `maxpost` command does, so that `load_config("sft", ...)` finds its kind in every test.
