@@ -5,7 +5,8 @@
 #   OUT=/tmp/out bash bench/device/tpu_run.sh            # QUICK=1: tiny shapes (a CPU rehearsal, nothing installed)
 #   E2E=1 OUT=/tmp/out bash bench/device/tpu_run.sh      # bench/e2e.py instead (E2E_ARGS: its options)
 #   PROBE=1 OUT=/tmp/out bash bench/device/tpu_run.sh    # compile phases per program, then the 1B SFT step's profile
-#                                                          (PROBE_PARTS="profile_step": the profile alone)
+#                                                          (PROBE_PARTS="profile_step": the profile alone;
+#                                                          "cache_layout": the decode's KV-cache layouts, probe_cache_layout.py)
 #   DUMP=1 OUT=/tmp/out bash bench/device/tpu_run.sh     # the 1B RL update compiled with XLA's dump: where its memory goes
 # A second invocation in the same call skips the install (/tmp/site already holds it).
 set -u
@@ -34,6 +35,8 @@ if [ -n "${PROBE:-}" ]; then  # where compile time goes (bench/compile_probe.py)
     part compile_probe ${T_PROBE:-240} $PY bench/compile_probe.py --parts $BIG;; esac
   case " ${PROBE_PARTS:-compile_probe profile_step} " in *" profile_step "*)
     TAIL=40 part profile_step ${T_PROF:-300} $PY bench/profile_step.py sft --platform "" $SHAPE --remat full --dtype bfloat16;; esac
+  case " ${PROBE_PARTS:-compile_probe profile_step} " in *" cache_layout "*)   # the decode's cache layouts (not by default)
+    TAIL=12 part cache_layout ${T_CACHE:-150} $PY bench/device/probe_cache_layout.py ${QUICK:+--quick};; esac
   echo "total $(( $(date +%s) - T0 )) s"; exit
 fi
 if [ -n "${DUMP:-}" ]; then   # XLA's own account of the 1B RL update's memory (e2e.py part c's shape, no micro-batches)
