@@ -16,9 +16,9 @@ from fastcore.basics import patch
 from .config import ConfigError
 
 # %% auto 0
-__all__ = ['END_OF_TURN_TOKENS', 'FORMATS', 'DATA_FORMATS', 'TRAIN_ON', 'DATASETS_CACHE', 'CHAT_ROLES', 'load_tokenizer',
-           'warn_missing_template', 'detect_format', 'dataset_splits', 'load_dataset_split', 'same_rows',
-           'assistant_spans', 'encode_chat', 'show_mask', 'check_no_nulls', 'encode_example', 'Examples',
+__all__ = ['END_OF_TURN_TOKENS', 'FORMATS', 'DATA_FORMATS', 'TRAIN_ON', 'DATASETS_CACHE', 'CHAT_ROLES', 'TOKENIZED_CACHE_GB',
+           'load_tokenizer', 'warn_missing_template', 'detect_format', 'dataset_splits', 'load_dataset_split',
+           'same_rows', 'assistant_spans', 'encode_chat', 'show_mask', 'check_no_nulls', 'encode_example', 'Examples',
            'tokenize_dataset', 'check_examples', 'pack_best_fit', 'make_rows', 'padding_fraction', 'BatchIterator',
            'make_sft_iterator', 'encode_prompt', 'PromptIterator']
 
@@ -557,6 +557,7 @@ def _load_examples(d: Path) -> Examples | None:
     "Examples cached in `d` (memory-mapped: a reload reads only what packing touches), or None."
     try:
         counts = json.loads((d / "examples.json").read_text())
+        with contextlib.suppress(OSError): os.utime(d / "examples.json")   # used now: the last to go (`_prune_cache`)
         return Examples(*(np.asarray(np.load(d / f"{k}.npy", mmap_mode="r")) for k in _ARRAYS), **counts)
     except (OSError, ValueError, TypeError): return None
 
@@ -571,9 +572,26 @@ def _save_examples(d: Path, examples: Examples) -> None:
         counts = dict(num_dropped=examples.num_dropped, num_truncated=examples.num_truncated, max_length=examples.max_length)
         (tmp / "examples.json").write_text(json.dumps({k: int(v) for k, v in counts.items()}))
         os.replace(tmp, d)
+        _prune_cache(d.parent, keep=d)
     except OSError as e:
         if not d.exists(): warnings.warn(f"could not cache the tokenized examples in {d} ({e}); the next run tokenizes them again")
     finally: shutil.rmtree(tmp, ignore_errors=True)
+
+# %% ../nbs/04_data.ipynb
+TOKENIZED_CACHE_GB = 4   # past this, the tokenized cache's entries used least recently are removed (`_prune_cache`)
+
+def _prune_cache(root: Path, keep: Path, limit_bytes: float | None = None) -> None:
+    "Remove the entries of `root` used least recently (their `examples.json`'s time: written or loaded) until it holds at most `limit_bytes` (default `TOKENIZED_CACHE_GB`); `keep` and entries being written (`.tmp-`) stay."
+    limit = TOKENIZED_CACHE_GB * 2**30 if limit_bytes is None else limit_bytes
+    entries, total = [], 0
+    for e in root.iterdir():
+        try: size, used = sum(f.stat().st_size for f in e.iterdir()), (e / "examples.json").stat().st_mtime
+        except OSError: continue                              # not an entry, or another process removed it
+        total += size
+        if e != keep and ".tmp-" not in e.name: entries.append((used, size, e))
+    for _, size, e in sorted(entries):
+        if total <= limit: break
+        shutil.rmtree(e, ignore_errors=True); total -= size
 
 # %% ../nbs/04_data.ipynb
 def tokenize_dataset(dataset, tokenizer, *, max_target_length: int, data_format: str = "auto", train_on: str = "auto",

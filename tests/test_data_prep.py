@@ -242,3 +242,24 @@ print("same tokenizer")
                        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT)), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["auto", "not", "imported", "same", "tokenizer"], r.stdout
+
+
+def test_the_tokenized_cache_drops_its_least_recently_used_entries_past_its_size(toks, tmp_path, monkeypatch):
+    """Each new copy of the same files (the embedded task under a new base_output_directory) is a new cache entry; past
+    `TOKENIZED_CACHE_GB` the entry used least recently goes when another is written: here a limit of about two
+    entries, three settings written, the first read again before the third: the second goes."""
+    rows = _conversations(40)
+    one = lambda n: tokenize_dataset(rows, toks["spans"], max_target_length=n, cache_dir=tmp_path)
+    one(96)
+    entry = lambda: {p.name for p in tmp_path.iterdir()}
+    first = entry()
+    size = sum(f.stat().st_size for p in tmp_path.iterdir() for f in p.iterdir())
+    monkeypatch.setattr(D, "TOKENIZED_CACHE_GB", 2.5 * size / 2**30)
+    one(80)
+    second = entry() - first
+    os.utime(tmp_path / next(iter(first)) / "examples.json", (1, 1))    # both written long ago, the first before
+    os.utime(tmp_path / next(iter(second)) / "examples.json", (2, 2))
+    one(96)                                                          # the first: read back, used now
+    one(64)                                                          # a third written: the second goes
+    names = entry()
+    assert first <= names and not (second & names) and len(names) == 2
