@@ -250,3 +250,19 @@ def test_a_child_that_cannot_write_the_task_leaves_the_one_line_error_to_the_com
     child = start_embedded_task(cfg)
     assert child is not None and child.wait() != 0
     with pytest.raises(ConfigError, match="could not write the embedded task"): prepare_embedded_task(cfg)
+
+
+def test_the_embedded_tasks_arrow_copies_stay_in_its_directory_not_in_the_users_cache(tmp_path, monkeypatch):
+    """datasets keeps an arrow copy of every local file it reads, by default in the user's cache under a key that
+    follows the file's path: the embedded task, written anew under each base_output_directory, left 13 MB there per
+    directory (21 GB on the test host in a day). Its copies now go to its own `.datasets_cache`."""
+    import datasets
+    from maxpost.config import load_config
+    from maxpost.data import DATASETS_CACHE, load_dataset_split
+    from maxpost.tasks import embedded_split, embedded_task_dir
+    home = tmp_path / "users-cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", home)
+    cfg = load_config("sft", [f"base_output_directory={tmp_path / 'runs'}"])
+    assert len(load_dataset_split(*embedded_split(cfg, "train[:16]", "sft_"))) == 16
+    assert not list(home.rglob("*.arrow"))
+    assert list((embedded_task_dir(cfg) / DATASETS_CACHE).rglob("*.arrow"))
