@@ -16,6 +16,7 @@ from fastcore.basics import patch
 from .config import (RunConfig, TrainConfig, ConfigError, REMAT_POLICIES, derived_defaults, effective_config,
                             resumable_keys, run_dir, to_yaml)
 from .checkpoint import checkpoint_manager, save_limit_gb, save_state, restore_state, state_bytes
+from .data import DATASETS_CACHE   # the embedded task's arrow copies: not part of a run's tokenizer
 from .policy import (Setup, TrainableWeights, model_options, read_model_config, set_model_options, trainable_weights,
                             use_compilation_cache)
 from .rundir import RunLock, MetricsLogger, as_scalar, read_metrics
@@ -109,7 +110,7 @@ class RunCheckpoints:
         (self.dir / "model_config.json").write_text(json.dumps(dataclasses.asdict(model_cfg), indent=1))
         if tokenizer_src is not None and Path(tokenizer_src).resolve() != (self.dir / "tokenizer").resolve():
             shutil.copytree(tokenizer_src, self.dir / "tokenizer", dirs_exist_ok=True,
-                            ignore=shutil.ignore_patterns("*.safetensors", "config.json", "checkpoints", "*.jsonl"))
+                            ignore=shutil.ignore_patterns("*.safetensors", "config.json", "checkpoints", "*.jsonl", DATASETS_CACHE))
 
 # %% ../nbs/08_train.ipynb
 @patch
