@@ -17,13 +17,13 @@ from .attention import (   # all of them importable from maxpost.model too, thei
     block_sizes, blockwise_attention, plus_zero, zero_of)
 
 # %% auto 0
-__all__ = ['FAMILIES', 'PRESETS', 'LOGITS_CHUNK_SIZE', 'ModelConfig', 'get_model_config', 'rms_norm', 'RMSNorm',
+__all__ = ['FAMILIES', 'PRESETS', 'TAIL_KEYS', 'LOGITS_CHUNK_SIZE', 'ModelConfig', 'get_model_config', 'rms_norm', 'RMSNorm',
            'rope_frequencies', 'rope_sin_cos', 'rotate', 'apply_rope', 'dense', 'LoRA', 'project', 'layer_inv_freq',
            'mixed_windows', 'by_window', 'Attention', 'after_read', 'gated', 'MLP', 'Block', 'stack_layers',
            'stacked_path', 'layer_paths', 'block_draws', 'init_layers', 'LayerParam', 'LayerView', 'Tape',
-           'recompute_in_backward', 'init_cache', 'grow_cache', 'repeat_cache', 'Decoder', 'weight_decay_mask',
-           'create_model', 'set_layer_weights', 'layer_order', 'num_params', 'TunixPolicy', 'token_logps',
-           'split_chunks', 'join_chunks', 'chunk_length']
+           'recompute_in_backward', 'init_cache', 'grow_cache', 'repeat_cache', 'with_tail', 'flush_tail', 'Decoder',
+           'weight_decay_mask', 'create_model', 'set_layer_weights', 'layer_order', 'num_params', 'TunixPolicy',
+           'token_logps', 'split_chunks', 'join_chunks', 'chunk_length']
 
 # %% ../nbs/02_model.ipynb
 FAMILIES = ("llama", "qwen3", "gemma3")
@@ -290,7 +290,7 @@ after_read.defvjp(lambda o, *ys: (after(o, *ys), o), lambda o, cts: (jnp.zeros_l
 # %% ../nbs/02_model.ipynb
 @patch
 def __call__(self: Attention, x_btd, sin_cos, spans: Spans, kv=None, local=None, tape=None):
-    "The attention output [B,T,D] and, with `kv=(k_bkhs, v_bksh, index)` (this layer's cache before the call and the first slot to write), the new tokens' keys [B,K,H,T] and values [B,K,T,H] for the caller to write at slot `index` (after this layer's read of the cache). `sin_cos`: `rope_sin_cos` of the positions for this layer's kind; `spans`: of the queries and of the keys (the row itself, or the written cache); `local`: see `by_window`."
+    "The attention output [B,T,D] and, with `kv=(k_bkhs, v_bksh, index)` (this layer's cache before the call and the first slot to write; a fourth item `(k_cbkh, v_cbkh, start)`: this layer's tail, see `with_tail`), the new tokens' keys [B,K,H,T] and values [B,K,T,H] for the caller to write at slot `index` (after this layer's read of the cache). `sin_cos`: `rope_sin_cos` of the positions for this layer's kind; `spans`: of the queries and of the keys (the row itself, or the written cache); `local`: see `by_window`."
     c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
     proj = dense if tape is None else tape.dense
     q_btnh = constrain(project(self, "q_proj", x_btd, proj), ("batch", "length", "heads", "head_dim"))
@@ -304,11 +304,13 @@ def __call__(self: Attention, x_btd, sin_cos, spans: Spans, kv=None, local=None,
         o_btnh = by_window(c, local, lambda w: attend(q_btnh, k_bkht, v_bkth, spans, scale, window=w, causal=True,
                                                       implementation=c.attention))
         return project(self, "o_proj", o_btnh, proj, 2), None
-    k_cache, v_cache, index = kv
+    (k_cache, v_cache, index), tail = kv[:3], (kv[3] if len(kv) > 3 else None)
     step = q_btnh.shape[1] == 1                          # read the cache, then write it: see `attend_step`
+    if tail is not None and not step: raise ValueError("a cache with a tail (`with_tail`) takes one token a call")
+    if tail is not None: tail = (tail[0].astype(dt), tail[1].astype(dt), tail[2])
     if step:
         o_btnh = by_window(c, local, lambda w: attend_step(q_btnh, k_cache.astype(dt), v_cache.astype(dt), k_bkht, v_bkth,
-                                                           spans, index, scale, w))
+                                                           spans, index, scale, w, tail))
     else:
         k_bkhs = jax.lax.dynamic_update_slice(k_cache, k_bkht.astype(k_cache.dtype), (0, 0, 0, index)).astype(dt)
         v_bksh = jax.lax.dynamic_update_slice(v_cache, v_bkth.astype(v_cache.dtype), (0, 0, index, 0)).astype(dt)
@@ -531,6 +533,23 @@ def repeat_cache(cache: dict, g: int) -> dict:
                 index=cache["index"])
 
 # %% ../nbs/02_model.ipynb
+TAIL_KEYS = ("k_tail", "v_tail", "tail_start")
+
+def with_tail(cache: dict, slots: int) -> dict:
+    "`cache` with an empty tail of `slots` slots from its `index` on: decode steps write their keys and values there (`[C,L,B,K,H]`, slot major) and only read `k` and `v`, until `flush_tail`. The cache needs room for them (`index + slots` slots at most)."
+    l, b, k, h, _ = cache["k"].shape
+    tail = jnp.zeros((slots, l, b, k, h), cache["k"].dtype)
+    return dict(cache, k_tail=tail, v_tail=tail.astype(cache["v"].dtype), tail_start=cache["index"])
+
+def flush_tail(cache: dict) -> dict:
+    "`cache` with its tail written into `k` and `v` from the tail's start (one write of all its slots; those not yet written are empty) and the tail gone."
+    start = cache["tail_start"]
+    k = jax.lax.dynamic_update_slice(cache["k"], cache["k_tail"].transpose(1, 2, 3, 4, 0), (0, 0, 0, 0, start))
+    v = jax.lax.dynamic_update_slice(cache["v"], cache["v_tail"].transpose(1, 2, 3, 0, 4), (0, 0, 0, start, 0))
+    return {**{n: x for n, x in cache.items() if n not in TAIL_KEYS}, "k": k, "v": v}
+
+
+# %% ../nbs/02_model.ipynb
 class Decoder(nnx.Module):
     "Decoder-only transformer for the Llama 3 / Qwen 3 / Gemma 3 families; its layers are one stacked `Block` (see `stack_layers`, `init_layers`)."
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None = None):
@@ -564,12 +583,14 @@ def __call__(self: Decoder, tokens_bt, positions_bt=None, segment_ids_bt=None, *
     x_btd = jnp.take(table_vd, tokens_bt, axis=0).astype(dt)
     if c.embed_scale: x_btd = x_btd * jnp.asarray(math.sqrt(c.d_model), dt)
     x_btd = constrain(x_btd, ("batch", "length", "embed"))
-    x_btd, kv = self.run_layers(x_btd, positions_bt, spans, None if cache is None else (cache["k"], cache["v"], index))
+    tail = () if cache is None or "k_tail" not in cache else ((cache["k_tail"], cache["v_tail"], cache["tail_start"]),)
+    x_btd, kv = self.run_layers(x_btd, positions_bt, spans, None if cache is None else (cache["k"], cache["v"], index) + tail)
     if logits_range is not None: x_btd = x_btd[:, logits_range[0]:logits_range[1]]
     x_btd = constrain(self.final_norm(x_btd), ("batch", "length", "embed"))
     out = x_btd if return_hidden else self.logits(x_btd)
     if cache is None: return out
-    return out, dict(k=kv[0], v=kv[1], segment_ids=spans.k_segment_ids, positions=spans.k_positions, index=index + t)
+    new = dict(k_tail=kv[0], v_tail=kv[1]) if tail else dict(k=kv[0], v=kv[1])
+    return out, dict(cache, **new, segment_ids=spans.k_segment_ids, positions=spans.k_positions, index=index + t)
 
 # %% ../nbs/02_model.ipynb
 @patch
@@ -588,23 +609,30 @@ def logits(self: Decoder, hidden_btd: jax.Array) -> jax.Array:
 # %% ../nbs/02_model.ipynb
 @patch
 def run_layers(self: Decoder, x_btd, positions_bt, spans: Spans, kv=None):
-    "Every layer over `x_btd`: one `lax.scan` over the stacked weights (`cfg.scan_layers`), or a Python loop over their slices; `kv`: (k, v, index) of a stacked cache, carried through and written in place. Returns (x, (k, v) or None)."
+    "Every layer over `x_btd`: one `lax.scan` over the stacked weights (`cfg.scan_layers`), or a Python loop over their slices; `kv`: (k, v, index) of a stacked cache, carried through and written in place, or (k, v, index, (k_tail, v_tail, start)) with a tail (`with_tail`): the tail carried and written, the cache only read. Returns (x, the new (k, v) or tail, or None)."
     c = self.cfg
     mixed = mixed_windows(c)
     kinds = sorted({c.is_local(i) for i in range(c.num_layers)})
     rope = {local: rope_sin_cos(positions_bt, layer_inv_freq(c, local)) for local in kinds}   # once per forward
     graphdef, state = nnx.split(self.layers)
+    tail = None if kv is None or len(kv) < 4 else kv[3]
     def layer(x_btd, k_v, st, i, local):
         block = nnx.merge(graphdef, st)
         sc = jax.tree.map(lambda a, b: jnp.where(local, a, b), rope[True], rope[False]) if mixed else rope[kinds[0]]
-        mine = None if kv is None else tuple(jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False) for a in k_v) + (kv[2],)
+        at = lambda a, axis=0: jax.lax.dynamic_index_in_dim(a, i, axis, keepdims=False)
+        mine = None if kv is None else (at(kv[0] if tail else k_v[0]), at(kv[1] if tail else k_v[1]), kv[2])
+        if tail: mine = mine + ((at(k_v[0], 1), at(k_v[1], 1), tail[2]),)
         if c.remat == "none": x_btd, new = block(x_btd, sc, spans, mine, local)
         else: x_btd, new = recompute_in_backward(block, x_btd, sc, spans, mine, local, keep_projections=c.remat == "minimal")
         if kv is None: return x_btd, None
+        if tail:                                             # one [B,K,H] block of the tail per layer: see `with_tail`
+            (k_t, v_t), j = k_v, kv[2] - tail[2]
+            return x_btd, (jax.lax.dynamic_update_slice(k_t, new[0][None, None, ..., 0].astype(k_t.dtype), (j, i, 0, 0, 0)),
+                           jax.lax.dynamic_update_slice(v_t, new[1][None, None, :, :, 0].astype(v_t.dtype), (j, i, 0, 0, 0)))
         k_all, v_all = k_v                                   # this layer's new keys written into the stack in place
         return x_btd, (jax.lax.dynamic_update_slice(k_all, new[0][None].astype(k_all.dtype), (i, 0, 0, 0, kv[2])),
                        jax.lax.dynamic_update_slice(v_all, new[1][None].astype(v_all.dtype), (i, 0, 0, kv[2], 0)))
-    k_v = None if kv is None else kv[:2]
+    k_v = None if kv is None else tail[:2] if tail else kv[:2]
     locals_l = jnp.asarray([c.is_local(i) for i in range(c.num_layers)]) if mixed else None
     if c.scan_layers:
         def body(carry, xs):

@@ -12,7 +12,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from .model import Decoder, after, grow_cache, init_cache, plus_zero, repeat_cache, zero_of
+from .model import Decoder, after, flush_tail, grow_cache, init_cache, plus_zero, repeat_cache, with_tail, zero_of
 from .sharding import active_mesh, constrain, logical_spec
 from .model import LOGITS_CHUNK_SIZE, chunk_length, join_chunks, split_chunks, token_logps
 
@@ -184,7 +184,7 @@ def decode_chunk(max_completion_length: int, min_chunk: int = 32, max_chunks: in
 # %% ../nbs/10_sampling.ipynb
 def decode(model, cache, logits_bv, prompt_lengths, key, temperature, top_k, top_p, eos_ids, pad_id,
            max_completion_length: int, chunk: int | None = None):
-    "Sample a token per row per step until `max_completion_length` or every row has emitted one of `eos_ids`: (ids, mask, log-probs [B,T], steps run, the filter's kept counts and log kept masses [B,T] (`sample_token_mask`)). `cache` needs room for the first `chunk` steps; it grows by `chunk` slots before each later chunk."
+    "Sample a token per row per step until `max_completion_length` or every row has emitted one of `eos_ids`: (ids, mask, log-probs [B,T], steps run, the filter's kept counts and log kept masses [B,T] (`sample_token_mask`)). `cache` needs room for the first `chunk` steps; it grows by `chunk` slots before each later chunk. A chunk's steps write their keys and values into a tail (`with_tail`), put into the cache after the chunk."
     B, T = logits_bv.shape[0], max_completion_length
     chunk = T if chunk is None else chunk
     def body(c):
@@ -205,7 +205,8 @@ def decode(model, cache, logits_bv, prompt_lengths, key, temperature, top_k, top
              log_kept_mass=jnp.zeros((B, T), jnp.float32))
     for start in range(0, T, chunk):             # one loop per chunk; later chunks attend over a longer cache
         stop = min(start + chunk, T)
-        if start: c["cache"] = grow_cache(c["cache"], c["cache"]["segment_ids"].shape[1] + stop - start)
+        if start: c["cache"] = grow_cache(flush_tail(c["cache"]), c["cache"]["segment_ids"].shape[1] + stop - start)
+        c["cache"] = with_tail(c["cache"], stop - start)      # the chunk's keys go to a tail: the cache is only read
         c = jax.lax.while_loop(lambda c, stop=stop: (c["step"] < stop) & ~jnp.all(c["done"]), body, c)
     return c["ids"], c["mask"], c["logps"], c["step"], c["num_kept"], c["log_kept_mass"]
 

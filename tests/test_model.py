@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxpost.model import (ModelConfig, Decoder, PRESETS, get_model_config, create_model, init_cache, num_params,
+from maxpost.model import (ModelConfig, Decoder, PRESETS, get_model_config, create_model, init_cache, with_tail, num_params,
                            rope_frequencies, attention_mask)
 from maxpost.sharding import make_mesh
 
@@ -409,8 +409,8 @@ def test_decoder_on_8_devices_equals_1():
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-5)
 
 
-def _cache_copies_in_decode_loop(cfg) -> int:
-    "Copies of a stacked cache array in the loops of a compiled loop of decode steps (the steps' loop and the layers' scan in it)."
+def _cache_copies_in_decode_loop(cfg, tail: bool = False) -> int:
+    "Copies of a stacked cache array in the loops of a compiled loop of decode steps (the steps' loop and the layers' scan in it); `tail`: the steps write into a tail (`with_tail`), whose arrays count too."
     import re
     gd, st = nnx.split(Decoder(cfg))
     @jax.jit
@@ -423,9 +423,11 @@ def _cache_copies_in_decode_loop(cfg) -> int:
             return jnp.argmax(logits, -1).astype(jnp.int32), cache
         return jax.lax.fori_loop(0, 3, body, (jnp.ones((4, 1), jnp.int32), cache))
     cache = init_cache(cfg, 4, 8)
+    if tail: cache = with_tail(cache, 3)
     hlo = decode.lower(st, cache).compile().as_text()
     assert "while(" in hlo
-    shapes = {f"f32[{','.join(map(str, x.shape))}]" for x in (cache["k"], cache["v"])}   # the stacks of every layer
+    stacks = [cache[n] for n in ("k", "v", "k_tail", "v_tail") if n in cache]      # the stacks of every layer
+    shapes = {f"f32[{','.join(map(str, x.shape))}]" for x in stacks}
     n, in_loops = 0, False
     for line in hlo.splitlines():
         if line and not line.startswith(" "): in_loops = not line.startswith("ENTRY")   # ENTRY copies the (not donated) input
@@ -433,10 +435,11 @@ def _cache_copies_in_decode_loop(cfg) -> int:
     return n
 
 
+@pytest.mark.parametrize("tail", [False, True])
 @pytest.mark.parametrize("num_kv_heads", [1, 2])
-def test_decode_loop_writes_the_cache_in_place(num_kv_heads):
+def test_decode_loop_writes_the_cache_in_place(num_kv_heads, tail):
     """A loop of decode steps writes every layer's cache in place: no copy of a stacked cache array in either loop (with
     one KV head the plain read-after-write path copied each array twice a step on XLA:CPU; see `attend_step`)."""
     cfg = get_model_config("tiny", num_layers=2, d_model=64, num_heads=2, num_kv_heads=num_kv_heads, head_dim=16,
                            mlp_dim=128, vocab_size=97)
-    assert _cache_copies_in_decode_loop(cfg) == 0
+    assert _cache_copies_in_decode_loop(cfg, tail) == 0

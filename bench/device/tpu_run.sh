@@ -36,7 +36,7 @@ if [ -n "${PROBE:-}" ]; then  # where compile time goes (bench/compile_probe.py)
   case " ${PROBE_PARTS:-compile_probe profile_step} " in *" profile_step "*)
     TAIL=40 part profile_step ${T_PROF:-300} $PY bench/profile_step.py sft --platform "" $SHAPE --remat full --dtype bfloat16;; esac
   case " ${PROBE_PARTS:-compile_probe profile_step} " in *" cache_layout "*)   # the decode's cache layouts (not by default)
-    TAIL=12 part cache_layout ${T_CACHE:-150} $PY bench/device/probe_cache_layout.py ${QUICK:+--quick};; esac
+    TAIL=12 part cache_layout ${T_CACHE:-150} $PY bench/device/probe_cache_layout.py ${QUICK:+--quick} ${CACHE_ARGS:-};; esac
   echo "total $(( $(date +%s) - T0 )) s"; exit
 fi
 if [ -n "${DUMP:-}" ]; then   # XLA's own account of the 1B RL update's memory (e2e.py part c's shape, no micro-batches)
