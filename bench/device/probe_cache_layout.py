@@ -11,25 +11,26 @@ before the step's, as `attend_step` does) and writes the new key and value at th
 timed is the cache's traffic and its structure. A variant is `<keys' axes>/<values' axes>[/<mode>]` over b (row),
 k (KV head), h (head dim), s (slot), each cache stacked on a leading layer axis. Modes:
 
-    inside   (default) the caches in the scan's carry; each layer reads its slice, then writes it (maxpost today)
+    inside   (default) the caches in the scan's carry; each layer reads its slice, then writes it (maxpost until the tail)
     after    the caches in the carry, read only; one write after the scan puts every layer's key and value in
     first    the caches in the carry; each layer writes first, then reads its slice (the new slot masked out)
     xs       the caches as the scan's `xs` (each layer's slice an input, never carried); one write after the scan
     ys       the caches as `xs`; each layer returns its written slice as `ys`, stacked into the new caches
     dma      as inside, each write one DMA from a Pallas kernel whose output aliases the cache (TPU only)
     dma_after  as after, the one write a DMA
-    read_only  maxpost's layout with no writes: the floor
+    read_only  maxpost's cache with no writes: the floor
     tail<C>  (a whole variant) the main caches read only in loops of C steps, each step written into a tail of C
              slots (slot major), the tail put in after each loop; `tail<C>m`: the tail slot minor
 
-    bkhs/bksh         maxpost today
+    bkhs/bksh         maxpost's cache
     skbh/skbh         MaxText's `ar_cache_axis_order` 1,2,0,3 (slot major; rows and head dim minor)
     sbkh/sbkh         slot major, heads and head dim minor
     bksh/bksh         keys laid out as the values
 
-The sixth session (2026-12-07) found every layout within 1 % of the others and every write mode of the fifth session
-3.7 ms a step over `read_only`: not the layout but a copy of the caches; the modes `first`, `xs` and `ys` ask which
-structure XLA writes in place.
+The sixth session (2026-12-07) found every layout within 1 % of the others and every write mode above, the Pallas
+DMA included, 3.6-3.9 ms a step over `read_only`: the one-slot write into a cache whose slot axis a TPU keeps in the
+lanes. Only the tail avoids it (`tail32`: 1.85 ms a step against 4.80); maxpost's sampler
+decodes that way since (`with_tail`, chapter 02_model).
 
 Prints ms a step for each (best of `--repeats` calls after a first that compiles) and what reading the cache once
 costs at the HBM bandwidth given.
