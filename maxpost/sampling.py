@@ -19,9 +19,9 @@ from .model import LOGITS_CHUNK_SIZE, chunk_length, join_chunks, split_chunks, t
 # %% auto 0
 __all__ = ['bucket_length', 'left_pad', 'warn_truncated_prompts', 'prompt_positions', 'filter_logits', 'draw_categorical',
            'first_argmax', 'sample_token', 'scaled_logps', 'sample_token_mask', 'sample_token_logp', 'kept_mask',
-           'scaled_entropy', 'prefill', 'decode_chunk', 'decode', 'repeat_rows', 'seed_key_data', 'sample_completions',
-           'stop_id_array', 'take_rows', 'prefill_blocks', 'make_sample_fn', 'SamplingProgram', 'Rollout', 'generate',
-           'chunked_logps', 'completion_logps', 'split_groups', 'merge_groups', 'make_logps_fn']
+           'scaled_entropy', 'prefill', 'decode_chunk', 'tail_decoding', 'decode', 'repeat_rows', 'seed_key_data',
+           'sample_completions', 'stop_id_array', 'take_rows', 'prefill_blocks', 'make_sample_fn', 'SamplingProgram',
+           'Rollout', 'generate', 'chunked_logps', 'completion_logps', 'split_groups', 'merge_groups', 'make_logps_fn']
 
 # %% ../nbs/10_sampling.ipynb
 def bucket_length(n: int, max_prompt_length: int, min_bucket: int = 16) -> int:
@@ -182,11 +182,18 @@ def decode_chunk(max_completion_length: int, min_chunk: int = 32, max_chunks: in
     return max(min_chunk, -(-max_completion_length // max_chunks))
 
 # %% ../nbs/10_sampling.ipynb
+def tail_decoding() -> bool:
+    "Whether `decode` writes each chunk's keys and values into a tail (`with_tail`) by default: on a TPU, where writing one slot of the cache is slow; elsewhere the cache's in-place write is cheaper than the tail's extra product."
+    return jax.default_backend() == "tpu"
+
+
+# %% ../nbs/10_sampling.ipynb
 def decode(model, cache, logits_bv, prompt_lengths, key, temperature, top_k, top_p, eos_ids, pad_id,
-           max_completion_length: int, chunk: int | None = None):
-    "Sample a token per row per step until `max_completion_length` or every row has emitted one of `eos_ids`: (ids, mask, log-probs [B,T], steps run, the filter's kept counts and log kept masses [B,T] (`sample_token_mask`)). `cache` needs room for the first `chunk` steps; it grows by `chunk` slots before each later chunk. A chunk's steps write their keys and values into a tail (`with_tail`), put into the cache after the chunk."
+           max_completion_length: int, chunk: int | None = None, tail: bool | None = None):
+    "Sample a token per row per step until `max_completion_length` or every row has emitted one of `eos_ids`: (ids, mask, log-probs [B,T], steps run, the filter's kept counts and log kept masses [B,T] (`sample_token_mask`)). `cache` needs room for the first `chunk` steps; it grows by `chunk` slots before each later chunk. With `tail` (default: `tail_decoding()`, on a TPU) a chunk's steps write their keys and values into a tail (`with_tail`), put into the cache after the chunk; else into the cache itself."
     B, T = logits_bv.shape[0], max_completion_length
     chunk = T if chunk is None else chunk
+    tail = tail_decoding() if tail is None else tail
     def body(c):
         step, live = c["step"], ~c["done"]
         tok, lp, n, lm = sample_token_mask(jax.random.fold_in(key, step), c["logits"], temperature, top_k, top_p)
@@ -205,8 +212,9 @@ def decode(model, cache, logits_bv, prompt_lengths, key, temperature, top_k, top
              log_kept_mass=jnp.zeros((B, T), jnp.float32))
     for start in range(0, T, chunk):             # one loop per chunk; later chunks attend over a longer cache
         stop = min(start + chunk, T)
-        if start: c["cache"] = grow_cache(flush_tail(c["cache"]), c["cache"]["segment_ids"].shape[1] + stop - start)
-        c["cache"] = with_tail(c["cache"], stop - start)      # the chunk's keys go to a tail: the cache is only read
+        if start: c["cache"] = grow_cache(flush_tail(c["cache"]) if tail else c["cache"],
+                                          c["cache"]["segment_ids"].shape[1] + stop - start)
+        if tail: c["cache"] = with_tail(c["cache"], stop - start)   # the chunk's keys go to a tail: the cache is only read
         c = jax.lax.while_loop(lambda c, stop=stop: (c["step"] < stop) & ~jnp.all(c["done"]), body, c)
     return c["ids"], c["mask"], c["logps"], c["step"], c["num_kept"], c["log_kept_mass"]
 
