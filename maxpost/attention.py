@@ -331,4 +331,3 @@ def _tail_scores(q_bkgh, tail, mask_bs, index, scale, top):
     s_bkgc = jnp.einsum("bkgh,cbkh->bkgc", q_bkgh, k_cbkh, preferred_element_type=jnp.float32) * scale
     s_bkgc = jnp.where(seen_bc[:, None, None], s_bkgc, NEG_INF)
     return s_bkgc, jnp.maximum(top, s_bkgc.max(-1, keepdims=True))
-

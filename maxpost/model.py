@@ -548,7 +548,6 @@ def flush_tail(cache: dict) -> dict:
     v = jax.lax.dynamic_update_slice(cache["v"], cache["v_tail"].transpose(1, 2, 3, 0, 4), (0, 0, 0, start, 0))
     return {**{n: x for n, x in cache.items() if n not in TAIL_KEYS}, "k": k, "v": v}
 
-
 # %% ../nbs/02_model.ipynb
 class Decoder(nnx.Module):
     "Decoder-only transformer for the Llama 3 / Qwen 3 / Gemma 3 families; its layers are one stacked `Block` (see `stack_layers`, `init_layers`)."

@@ -186,7 +186,6 @@ def tail_decoding() -> bool:
     "Whether `decode` writes each chunk's keys and values into a tail (`with_tail`) by default: on a TPU, where writing one slot of the cache is slow; elsewhere the cache's in-place write is cheaper than the tail's extra product."
     return jax.default_backend() == "tpu"
 
-
 # %% ../nbs/10_sampling.ipynb
 def decode(model, cache, logits_bv, prompt_lengths, key, temperature, top_k, top_p, eos_ids, pad_id,
            max_completion_length: int, chunk: int | None = None, tail: bool | None = None):
