@@ -6,7 +6,8 @@
 #   E2E=1 OUT=/tmp/out bash bench/device/tpu_run.sh      # bench/e2e.py instead (E2E_ARGS: its options)
 #   PROBE=1 OUT=/tmp/out bash bench/device/tpu_run.sh    # compile phases per program, then the 1B SFT step's profile
 #                                                          (PROBE_PARTS="profile_step": the profile alone;
-#                                                          "cache_layout": the decode's KV-cache layouts, probe_cache_layout.py)
+#                                                          "cache_layout": the decode's KV-cache layouts, probe_cache_layout.py,
+#                                                          CACHE_ARGS: its options)
 #   DUMP=1 OUT=/tmp/out bash bench/device/tpu_run.sh     # the 1B RL update compiled with XLA's dump: where its memory goes
 # A second invocation in the same call skips the install (/tmp/site already holds it).
 set -u
