@@ -136,40 +136,65 @@ def pair_problem(row: dict) -> tuple[str, str] | None:
     return None
 
 # %% ../nbs/15b_dpo.ipynb
-def _encode_replies(tokenizer, prompt, replies: list, max_prompt_length: int, max_completion_length: int) -> dict:
-    "`prompt_ids` and each reply's `ids` (cut to the lengths), `truncated`, `lengths` before truncation, of `prompt` (a string or a conversation) and `replies` (strings or conversations) rendered as `encode_pair` renders them."
-    ids = lambda text, special=False: list(tokenizer(text, add_special_tokens=special)["input_ids"])
+def _reply_texts(tokenizer, prompt, replies: list) -> tuple[list[str], bool, list[int]]:
+    "The texts `_encode_replies` tokenizes, the prompt's then each reply's (a conversation through the chat template: the prompt with the generation prompt, each reply what the conversation adds to it); whether the prompt takes the tokenizer's special tokens (plain strings: yes); the ids put after each reply (plain strings: EOS)."
     if _is_conversation(replies[0]) or _is_conversation(prompt):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("conversational preference data needs a tokenizer with a chat template (tokenizer_path=)")
         prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         as_turns = lambda x: [{"role": "assistant", "content": x}] if isinstance(x, str) else list(x)
-        head, out = _render(tokenizer, prompt, True), []
+        head, texts = _render(tokenizer, prompt, True), []
         for reply in map(as_turns, replies):
             full = _render(tokenizer, prompt + reply, False)
             if not full.startswith(head):
                 raise ValueError("the chat template renders the prompt differently inside the conversation; "
                                  "give the prompt as its own column")
-            out.append(ids(full[len(head):]))
-        prompt_ids = ids(head)
-    else:
-        eos = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
-        prompt_ids, out = ids(prompt, special=True), [ids(r) + eos for r in replies]
+            texts.append(full[len(head):])
+        return [head, *texts], False, []
+    eos = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    return [prompt, *replies], True, eos
+
+# %% ../nbs/15b_dpo.ipynb
+def _token_ids(tokenizer, texts: list[str], special: list[bool]) -> list[list[int]]:
+    "Each text's ids, with the tokenizer's special tokens where `special` says: one batched call for each kind (a fast tokenizer's batch gives the ids one call per text gives, in a fraction of the time)."
+    out = [None] * len(texts)
+    for flag in (True, False):
+        if at := [i for i, s in enumerate(special) if s == flag]:
+            for i, ids in zip(at, tokenizer([texts[i] for i in at], add_special_tokens=flag)["input_ids"]): out[i] = list(ids)
+    return out
+
+def _cut_replies(ids: list[list[int]], eos: list[int], max_prompt_length: int, max_completion_length: int) -> dict:
+    "`prompt_ids` and each reply's `ids` (cut to the lengths), `truncated`, `lengths` before truncation, from the ids of `_reply_texts`' texts and its `eos`."
+    prompt_ids, out = ids[0], [x + eos for x in ids[1:]]
     if not prompt_ids: raise ValueError("the prompt is empty: a preference pair needs a prompt to condition on")
     return {"prompt_ids": prompt_ids[-max_prompt_length:], "ids": [x[:max_completion_length] for x in out],
             "truncated": len(prompt_ids) > max_prompt_length or max(map(len, out)) > max_completion_length,
             "lengths": (len(prompt_ids), *map(len, out))}
 
+def _encode_replies(tokenizer, prompt, replies: list, max_prompt_length: int, max_completion_length: int) -> dict:
+    "`_cut_replies` of `prompt` (a string or a conversation) and `replies` (strings or conversations) rendered as `encode_pair` renders them."
+    texts, special, eos = _reply_texts(tokenizer, prompt, replies)
+    return _cut_replies(_token_ids(tokenizer, texts, [special] + [False] * len(replies)), eos, max_prompt_length,
+                        max_completion_length)
+
 # %% ../nbs/15b_dpo.ipynb
-def encode_pair(tokenizer, row: dict, max_prompt_length: int = 512, max_completion_length: int = 512) -> dict:
-    "`prompt_ids`, `chosen_ids`, `rejected_ids` of one row with `chosen`, `rejected` and an optional `prompt` (strings or conversations); `lengths`: the three before truncation."
+def _pair_texts(tokenizer, row: dict) -> tuple[list[str], bool, list[int]]:
+    "`_reply_texts` of a pair's prompt and its chosen and rejected replies, the implicit prompt extracted first."
     if problem := pair_problem(row): raise ValueError(f"{problem[0]} {problem[1]}")
     chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
     if prompt is None or (isinstance(prompt, str) and not prompt and not isinstance(chosen, str)):
         prompt, chosen, rejected = extract_prompt(chosen, rejected)
-    e = _encode_replies(tokenizer, prompt, [chosen, rejected], max_prompt_length, max_completion_length)
+    return _reply_texts(tokenizer, prompt, [chosen, rejected])
+
+def _pair_of(e: dict) -> dict:
     return {"prompt_ids": e["prompt_ids"], "chosen_ids": e["ids"][0], "rejected_ids": e["ids"][1],
             "truncated": e["truncated"], "lengths": e["lengths"]}
+
+def encode_pair(tokenizer, row: dict, max_prompt_length: int = 512, max_completion_length: int = 512) -> dict:
+    "`prompt_ids`, `chosen_ids`, `rejected_ids` of one row with `chosen`, `rejected` and an optional `prompt` (strings or conversations); `lengths`: the three before truncation."
+    texts, special, eos = _pair_texts(tokenizer, row)
+    return _pair_of(_cut_replies(_token_ids(tokenizer, texts, [special, False, False]), eos, max_prompt_length,
+                                 max_completion_length))
 
 # %% ../nbs/15b_dpo.ipynb
 def preference_batch(pairs: Sequence[dict], pad_id: int, max_prompt_length: int, max_completion_length: int) -> dict:
@@ -247,30 +272,49 @@ def load_pairs(cfg: DPOConfig, split: str, *, source: str | None = None) -> list
 
 # %% ../nbs/15b_dpo.ipynb
 class PairData:
-    "The pairs of one split (`what`), each checked and tokenized up front (`encode_pair`); `batch(indices)` pads pairs into a step's arrays; `columns` maps chosen / rejected / prompt to the data's column names for the messages."
+    "The pairs of one split (`what`), each checked and tokenized up front (`encode_pair`, the texts of every row in one batched tokenizer call); `batch(indices)` pads pairs into a step's arrays; `columns` maps chosen / rejected / prompt to the data's column names for the messages."
     replies, noun = 2, "pairs"     # replies per row; what the summary calls the rows
     def __init__(self, rows: Sequence[dict], tokenizer, max_prompt_length: int, max_completion_length: int, *,
                  what: str = "pairs", columns: dict | None = None):
         self.rows, self.tokenizer, self.lengths, self.what = rows, tokenizer, (max_prompt_length, max_completion_length), what
         self.pad_id, self.columns = tokenizer.pad_token_id or 0, {"prompt": "prompt", "chosen": "chosen",
                                                                    "rejected": "rejected", **(columns or {})}
-        self._encoded = [self._encode(i, row) for i, row in enumerate(rows)]
+        self._encoded = self._encode_all(rows)
         full = np.array([e["lengths"] for e in self._encoded], np.int64).reshape(-1, 1 + self.replies)
         self.longest = (int(full[:, 0].max(initial=0)), int(full[:, 1:].max(initial=0)))
         self.prompts_truncated = int((full[:, 0] > max_prompt_length).sum())
         self.replies_truncated = int((full[:, 1:].max(1, initial=0) > max_completion_length).sum())
 
-    def _encode(self, i: int, row: dict) -> dict:
+    def _texts(self, i: int, row: dict) -> tuple:
+        "`_pair_texts` of row `i`, its problems named with the row and the column."
         if problem := pair_problem(row):
             key, why = problem
             fix = ("give a rejected reply that differs from the chosen one, or drop the row" if key == "chosen" and "same" in why
                    else "fill it in or drop the row: a pair needs two non-empty replies")
             raise ConfigError(f"{self.what}, row {i} (counting from 0): column {self.columns[key]!r} {why}; {fix}")
-        try: return encode_pair(self.tokenizer, row, *self.lengths)
+        return self._named(i, _pair_texts, self.tokenizer, row)
+
+    def _result(self, i: int, row: dict, e: dict) -> dict: return _pair_of(e)
+
+    def _named(self, i: int, f, *args):
+        try: return f(*args)
         except ValueError as e: raise ConfigError(f"{self.what}, row {i} (counting from 0): {e}") from None
 
     def __len__(self) -> int: return len(self.rows)
     def encoded(self, i: int) -> dict: return self._encoded[i]
+
+# %% ../nbs/15b_dpo.ipynb
+@patch
+def _encode_all(self: PairData, rows: Sequence[dict]) -> list[dict]:
+    "Each row's encoding (`encode_pair`, or the subclass's): every row's texts (`_texts`), then all of them through the tokenizer at once (`_token_ids`), then each row's cut (`_result`)."
+    parts = [self._texts(i, row) for i, row in enumerate(rows)]
+    ids = _token_ids(self.tokenizer, [t for texts, _, _ in parts for t in texts],
+                     [s for texts, special, _ in parts for s in [special] + [False] * (len(texts) - 1)])
+    out, n = [], 0
+    for i, (row, (texts, _, eos)) in enumerate(zip(rows, parts)):
+        e = self._named(i, _cut_replies, ids[n:n + len(texts)], eos, *self.lengths)
+        out.append(self._result(i, row, e)); n += len(texts)
+    return out
 
 # %% ../nbs/15b_dpo.ipynb
 @patch
@@ -326,12 +370,20 @@ def load_examples(cfg: DPOConfig, split: str, *, source: str | None = None) -> l
     except ValueError as e: raise ConfigError(f"{where}, {e}; fix the pair or drop it") from None
 
 # %% ../nbs/15b_dpo.ipynb
-def encode_example(tokenizer, row: dict, max_prompt_length: int = 512, max_completion_length: int = 512) -> dict:
-    "`prompt_ids`, `completion_ids`, `label` of one KTO example `{prompt, completion, label}` (strings or conversations, as `encode_pair`); `lengths`: the two before truncation."
+def _example_texts(tokenizer, row: dict) -> tuple[list[str], bool, list[int]]:
+    "`_reply_texts` of a KTO example's prompt and completion."
     if row.get("prompt") is None: raise ValueError("the prompt is null: a KTO example needs its prompt")
-    e = _encode_replies(tokenizer, row["prompt"], [row["completion"]], max_prompt_length, max_completion_length)
+    return _reply_texts(tokenizer, row["prompt"], [row["completion"]])
+
+def _example_of(e: dict, row: dict) -> dict:
     return {"prompt_ids": e["prompt_ids"], "completion_ids": e["ids"][0], "label": bool(row["label"]),
             "truncated": e["truncated"], "lengths": e["lengths"]}
+
+def encode_example(tokenizer, row: dict, max_prompt_length: int = 512, max_completion_length: int = 512) -> dict:
+    "`prompt_ids`, `completion_ids`, `label` of one KTO example `{prompt, completion, label}` (strings or conversations, as `encode_pair`); `lengths`: the two before truncation."
+    texts, special, eos = _example_texts(tokenizer, row)
+    return _example_of(_cut_replies(_token_ids(tokenizer, texts, [special, False]), eos, max_prompt_length,
+                                    max_completion_length), row)
 
 # %% ../nbs/15b_dpo.ipynb
 class ExampleData(PairData):
@@ -349,15 +401,17 @@ class ExampleData(PairData):
                               f"{bool(self.labels.all())}, none is {kind}; KTO weighs desirable against undesirable "
                               "replies: give it examples of both kinds")
 
-    def _encode(self, i: int, row: dict) -> dict:
+    def _texts(self, i: int, row: dict) -> tuple:
+        "`_example_texts` of row `i`, its problems named with the row and the column."
         at, label = f"{self.what}, row {i} (counting from 0): column", row.get("label")
         if not isinstance(label, (bool, np.bool_)):
             raise ConfigError(f"{at} {self.columns['label']!r} holds {label!r}, not a boolean; KTO's label says "
                               "whether the reply is desirable: write true or false")
         if (why := _empty(row.get("completion"))) is not None:
             raise ConfigError(f"{at} {self.columns['completion']!r} {why}; fill it in or drop the row")
-        try: return encode_example(self.tokenizer, row, *self.lengths)
-        except ValueError as e: raise ConfigError(f"{self.what}, row {i} (counting from 0): {e}") from None
+        return self._named(i, _example_texts, self.tokenizer, row)
+
+    def _result(self, i: int, row: dict, e: dict) -> dict: return _example_of(e, row)
 
 # %% ../nbs/15b_dpo.ipynb
 @patch
