@@ -10,7 +10,7 @@ import jax, numpy as np
 from fastcore.basics import patch
 
 # %% auto 0
-__all__ = ['StepCompiler', 'compile_ahead', 'EarlyPrograms']
+__all__ = ['StepCompiler', 'one_cache_read_at_a_time', 'compile_ahead', 'EarlyPrograms']
 
 # %% ../nbs/07g_compile.ipynb
 class StepCompiler:
@@ -68,10 +68,24 @@ def _lower(self: StepCompiler, args, mesh=None):
 def __call__(self: StepCompiler, *args): return self.compile(*args)(*args)
 
 # %% ../nbs/07g_compile.ipynb
+_CACHE_READS = threading.Lock()
+
+def one_cache_read_at_a_time() -> None:
+    "Make this process read JAX's persistent compilation cache one executable at a time (JAX's private `compiler._cache_read`, wrapped once; a JAX without it is left as it is): the compile threads of `compile_ahead` twice crashed XLA's CPU client inside `deserialize_executable` (a segfault with two threads there at once, an abort beside a lowering thread), never with one read at a time. Compiling stays concurrent."
+    from jax._src import compiler
+    read = getattr(compiler, "_cache_read", None)
+    if read is None or getattr(read, "one_at_a_time", False): return
+    def locked(*args, **kw):
+        with _CACHE_READS: return read(*args, **kw)
+    locked.one_at_a_time = True
+    compiler._cache_read = locked
+
+# %% ../nbs/07g_compile.ipynb
 _COMPILER = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="compile")   # XLA compiles without the GIL
 
 def compile_ahead(compiler: StepCompiler, *args, mesh=None) -> None:
     "Start compiling `compiler`'s program for `args` (arrays or `jax.ShapeDtypeStruct`s) on a thread, traced under `mesh`, while the caller goes on (loads data, compiles another program); the first call with that signature waits for it."
+    one_cache_read_at_a_time()
     key = compiler._signature(args)
     if key not in compiler.programs and key not in compiler.ahead and key not in compiler.early:
         compiler.ahead[key] = _COMPILER.submit(compiler._lower, args, mesh)
