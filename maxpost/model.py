@@ -306,7 +306,8 @@ def __call__(self: Attention, x_btd, sin_cos, spans: Spans, kv=None, local=None,
         return project(self, "o_proj", o_btnh, proj, 2), None
     (k_cache, v_cache, index), tail = kv[:3], (kv[3] if len(kv) > 3 else None)
     step = q_btnh.shape[1] == 1                          # read the cache, then write it: see `attend_step`
-    if tail is not None and not step: raise ValueError("a cache with a tail (`with_tail`) takes one token a call")
+    if tail is not None and not step: raise ValueError("a cache with a tail (`with_tail`) takes one token a call; "
+                                                       "call `flush_tail(cache)` before a call with more tokens")
     if tail is not None: tail = (tail[0].astype(dt), tail[1].astype(dt), tail[2])
     if step:
         o_btnh = by_window(c, local, lambda w: attend_step(q_btnh, k_cache.astype(dt), v_cache.astype(dt), k_bkht, v_bkth,
