@@ -61,9 +61,10 @@ def command_config(kind, argv=None) -> RunConfig:
 
 # %% ../nbs/08c_commands.ipynb
 def start_trainer(trainer: type, cfg: TrainConfig, *, announce: bool = False, **kw) -> Trainer:
-    "`trainer(cfg, setup, **kw)` with the setup a command builds for it: the clock started here, the run directory checked, the embedded task's files started in a child process (`start_embedded_task`), the mesh (timed as `backend`: the accelerator's runtime starts), the kind's `early_programs` and a random policy started on a thread (`EarlyPrograms`) while the embedded task is prepared (timed as `data`), then `setup_run` with the kind's `setup_options` (timed as `weights`); `announce` prints the start line."
+    "`trainer(cfg, setup, **kw)` with the setup a command builds for it: the clock started here, the run directory checked, the embedded task's files started in a child process (`start_embedded_task`), and the kind's data in another once they are there (`Trainer.early_data`), the mesh (timed as `backend`: the accelerator's runtime starts), the kind's `early_programs` and a random policy started on a thread (`EarlyPrograms`) while the embedded task is prepared (timed as `data`), then `setup_run` with the kind's `setup_options` (timed as `weights`); `announce` prints the start line."
     clock, started = Clock(), time.time()            # `started`: the end of start-up (process start to here)
     writer = start_embedded_task(cfg)                 # a child process writes the embedded task meanwhile (05_tasks)
+    ahead = trainer.early_data(cfg) if writer is None else None   # one tokenizes the data from now, its files there
     compile_watch(); use_compilation_cache(cfg)       # before the first compilation
     with clock("backend"):   # the first device query starts the accelerator's runtime: seconds on a TPU (see 07g_compile)
         jax.process_index(); opts = trainer.setup_options(cfg); mesh = make_run_mesh(cfg, opts.get("devices"))
@@ -75,10 +76,11 @@ def start_trainer(trainer: type, cfg: TrainConfig, *, announce: bool = False, **
         with clock("data"):
             if writer is not None: writer.wait()
             task = prepare_embedded_task(cfg)     # written once; its tokenizer is the setup's
+    if writer is not None: ahead = trainer.early_data(cfg)      # the task's files written: its data, from now
     with clock("weights"):
         early.wait()
         setup = setup_run(cfg, task=task, announce=announce, policy=early.loaded, **opts)
-    setup.clock, setup.started, setup.early = clock, started, early
+    setup.clock, setup.started, setup.early, setup.data_ahead = clock, started, early, ahead
     return trainer(cfg, setup, **kw)
 
 # %% ../nbs/08c_commands.ipynb

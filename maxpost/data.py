@@ -5,7 +5,7 @@
 # %% ../nbs/04_data.ipynb 4
 from __future__ import annotations
 
-import bisect, codecs, contextlib, glob, hashlib, json, os, re, shutil, socket, sys, types, warnings
+import bisect, codecs, contextlib, glob, hashlib, importlib.util, json, os, re, shutil, socket, subprocess, sys, threading, time, types, warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -17,10 +17,11 @@ from .config import ConfigError
 
 # %% auto 0
 __all__ = ['END_OF_TURN_TOKENS', 'FORMATS', 'DATA_FORMATS', 'TRAIN_ON', 'DATASETS_CACHE', 'CHAT_ROLES', 'TOKENIZED_CACHE_GB',
-           'load_tokenizer', 'warn_missing_template', 'detect_format', 'dataset_splits', 'load_dataset_split',
-           'same_rows', 'assistant_spans', 'encode_chat', 'show_mask', 'check_no_nulls', 'encode_example', 'Examples',
-           'tokenize_dataset', 'check_examples', 'pack_best_fit', 'make_rows', 'padding_fraction', 'BatchIterator',
-           'make_sft_iterator', 'encode_prompt', 'PromptIterator']
+           'AHEAD_MIN_CORES', 'load_tokenizer', 'warn_missing_template', 'detect_format', 'dataset_splits',
+           'load_dataset_split', 'same_rows', 'assistant_spans', 'encode_chat', 'show_mask', 'check_no_nulls',
+           'encode_example', 'Examples', 'tokenize_dataset', 'maxpost_child', 'tokenize_ahead', 'check_examples',
+           'pack_best_fit', 'make_rows', 'padding_fraction', 'BatchIterator', 'make_sft_iterator', 'encode_prompt',
+           'PromptIterator']
 
 # %% ../nbs/04_data.ipynb
 _VOCAB_FILES = ("tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "tokenizer.tiktoken")  # slow tokenizers'
@@ -501,11 +502,13 @@ def _encode_shard(job: tuple) -> dict:
                 dropped=dropped, truncated=truncated, longest=longest)
 
 # %% ../nbs/04_data.ipynb
+def _cores() -> int:
+    "The cores this process may run on."
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
 def _num_proc(num_proc: int | None, n: int) -> int:
     "Worker processes for `n` examples: `num_proc`, or by default one per core with 5,000 examples or more each (a worker takes seconds to start)."
-    if num_proc is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        num_proc = min(cores, n // 5000)
+    if num_proc is None: num_proc = min(_cores(), n // 5000)
     return max(1, min(int(num_proc), n))
 
 # %% ../nbs/04_data.ipynb
@@ -625,6 +628,37 @@ def tokenize_dataset(dataset, tokenizer, *, max_target_length: int, data_format:
     if where is not None: _save_examples(where, examples)
     return examples
 
+
+# %% ../nbs/04_data.ipynb
+def maxpost_child(code: str, *args: str, **env: str) -> subprocess.Popen:
+    "`python -c code *args` in a child process that imports this maxpost (wherever it comes from), with `env` set and its output dropped."
+    root = str(Path(importlib.util.find_spec("maxpost").origin).resolve().parents[1])
+    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    return subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+AHEAD_MIN_CORES = 4   # on fewer cores `tokenize_ahead` starts nothing: its child slows the compiles beside it more than it saves
+
+def tokenize_ahead(tokenizer_dir, jobs: Sequence[dict], *, min_cores: int | None = None) -> subprocess.Popen | None:
+    "A child process filling the tokenized cache: `tokenize_dataset` of each job (`dataset`, `split`, `dataset_config` and `tokenize_dataset`'s keywords, as JSON values) with the tokenizer of `tokenizer_dir`; it ends with its parent. None on a host with fewer than `min_cores` (default `AHEAD_MIN_CORES`) cores."
+    if _cores() < (AHEAD_MIN_CORES if min_cores is None else min_cores): return None
+    spec = json.dumps([str(tokenizer_dir), list(jobs), os.getpid()])
+    return maxpost_child("import sys; from maxpost.data import _tokenize_jobs; _tokenize_jobs(sys.argv[1])", spec, JAX_PLATFORMS="cpu")
+
+# %% ../nbs/04_data.ipynb
+def _tokenize_jobs(spec: str) -> None:
+    "The child of `tokenize_ahead`."
+    tokenizer_dir, jobs, parent = json.loads(spec)
+    threading.Thread(target=_end_with, args=(parent,), daemon=True).start()
+    tokenizer = load_tokenizer(tokenizer_dir)
+    for job in jobs:
+        job = dict(job)
+        rows = load_dataset_split(job.pop("dataset"), job.pop("split"), dataset_config=job.pop("dataset_config", ""))
+        tokenize_dataset(rows, tokenizer, **job)
+
+def _end_with(parent: int) -> None:
+    "Exit this process once `parent` has gone (an orphan is handed to another parent)."
+    while os.getppid() == parent: time.sleep(0.5)
+    os._exit(1)
 
 # %% ../nbs/04_data.ipynb
 def check_examples(examples: Examples, *, max_target_length: int, max_dropped_share: float = 0.5,

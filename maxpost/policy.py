@@ -255,6 +255,7 @@ class Setup:
     clock: Any = None              # a command's setup (`start_trainer`, chapter 08c_commands): the clock that timed it
     started: float | None = None   # and when the command began (`time.time()`): the end of start-up
     early: Any = None              # the programs the command started compiling from shapes (`EarlyPrograms`, 07g_compile)
+    data_ahead: Any = None         # a child process tokenizing the kind's data meanwhile (`Trainer.early_data`, 08_train)
 
     @property
     def model(self) -> nnx.Module:

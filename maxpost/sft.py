@@ -14,9 +14,9 @@ from fastcore.basics import patch
 from .config import TrainConfig, QAConfig, ConfigError, key, register_kind, run_dir, eval_source
 from . import sharding
 from .model import LOGITS_CHUNK_SIZE
-from .data import DATA_FORMATS, TRAIN_ON, make_sft_iterator, check_examples
+from .data import DATA_FORMATS, TRAIN_ON, make_sft_iterator, check_examples, tokenize_ahead
 from .sft_loss import model_sft_loss, target_weights, summarize_metrics
-from .tasks import TASK_VARIANTS, embedded_split, check_held_out
+from .tasks import TASK_VARIANTS, embedded_split, check_held_out, prepare_embedded_task
 from .policy import FullWeights, Setup, lora_options, policy_shapes, set_model_options
 from .timing import flops_per_token
 from .train import Trainer, Prefetcher, compile_step_ahead
@@ -31,8 +31,8 @@ from .evaluate import EVAL_BATCH_SIZE, eval_config_for, load_eval_examples
 from .eval_command import run_evaluation
 
 # %% auto 0
-__all__ = ['KIND', 'SFTConfig', 'make_sft_step', 'make_eval_step', 'sft_data', 'evaluate_loss', 'SFTTrainer', 'train_sft',
-           'held_out_after_sft', 'held_out_program', 'main']
+__all__ = ['KIND', 'SFTConfig', 'make_sft_step', 'make_eval_step', 'sft_source', 'sft_data', 'evaluate_loss', 'SFTTrainer',
+           'train_sft', 'held_out_after_sft', 'held_out_program', 'main']
 
 # %% ../nbs/14c_sft.ipynb
 @dataclass
@@ -75,18 +75,20 @@ def make_eval_step(graphdef, *, chunk_size: int | None = LOGITS_CHUNK_SIZE):
     return jax.jit(eval_step)
 
 # %% ../nbs/14c_sft.ipynb
-def sft_data(cfg: SFTConfig, tokenizer, split: str, *, shuffle: bool, num_epochs=None, source: str | None = None):
-    "A BatchIterator over `split` of `source` (default `dataset_name`; \"\" = the embedded task's conversations)."
+def sft_source(cfg: SFTConfig, split: str, source: str | None = None) -> dict:
+    "Where `sft_data` reads `split` of `source` (default `dataset_name`; \"\" = the embedded task's conversations) and how it tokenizes it: `make_sft_iterator`'s dataset, split and tokenization keywords."
     source = cfg.dataset_name if source is None else source
     if source: split_name, fmt = split, cfg.data_format
     else: (source, split_name), fmt = embedded_split(cfg, split, "sft_"), "messages"
-    cols = dict(messages_column=cfg.messages_column, prompt_column=cfg.prompt_column,
-                completion_column=cfg.completion_column, question_column=cfg.question_column,
-                answer_column=cfg.answer_column, text_column=cfg.text_column)
-    return make_sft_iterator(tokenizer, source, split=split_name, dataset_config=cfg.dataset_config,
-                             max_target_length=cfg.max_target_length, global_batch_size=cfg.global_batch_size,
-                             data_format=fmt, train_on=cfg.train_on, packing=cfg.packing, shuffle=shuffle,
-                             seed=cfg.seed, num_epochs=num_epochs, **cols)
+    return dict(dataset=source, split=split_name, dataset_config=cfg.dataset_config, data_format=fmt,
+                max_target_length=cfg.max_target_length, train_on=cfg.train_on, messages_column=cfg.messages_column,
+                prompt_column=cfg.prompt_column, completion_column=cfg.completion_column,
+                question_column=cfg.question_column, answer_column=cfg.answer_column, text_column=cfg.text_column)
+
+def sft_data(cfg: SFTConfig, tokenizer, split: str, *, shuffle: bool, num_epochs=None, source: str | None = None):
+    "A BatchIterator over `split` of `source` (`sft_source`)."
+    return make_sft_iterator(tokenizer, **sft_source(cfg, split, source), global_batch_size=cfg.global_batch_size,
+                             packing=cfg.packing, shuffle=shuffle, seed=cfg.seed, num_epochs=num_epochs)
 
 # %% ../nbs/14c_sft.ipynb
 def evaluate_loss(eval_step, params, rest, it, mesh, num_batches: int) -> dict:
@@ -130,6 +132,7 @@ class SFTTrainer(Trainer):
                                sharding.shard_batch({k: rows for k in _STEP_BATCH_KEYS}, self.mesh))
         with self.clock("data"):
             check_held_out(cfg)
+            if self.data_ahead is not None: self.data_ahead.wait()   # the splits tokenized meanwhile (`early_data`)
             self.train_it = sft_data(cfg, self.tokenizer, cfg.train_split, shuffle=True)
             self.eval_it = sft_data(cfg, self.tokenizer, cfg.eval_split, shuffle=False, num_epochs=1, source=eval_source(cfg))
             self._eval_start = self.eval_it.state()
@@ -175,6 +178,17 @@ def early_programs(cls: SFTTrainer, cfg: SFTConfig, mesh) -> dict:
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding.batch_sharding(mesh, shape)) for k in _STEP_BATCH_KEYS}
     step = make_sft_step(graphdef, tx, accum=cfg.gradient_accumulation_steps, z_loss=cfg.z_loss, chunk_size=cfg.logits_chunk_size)
     return {"step_fn": (graphdef, step, (params, rest, opt_state, batch))}
+
+# %% ../nbs/14c_sft.ipynb
+@patch(cls_method=True)
+def early_data(cls: SFTTrainer, cfg: SFTConfig):
+    "The train and eval splits tokenized in a child process (`Trainer.early_data`); None when the tokenizer or the data cannot be named yet (the setup says why)."
+    from maxpost.policy import tokenizer_dir
+    try:
+        tok = tokenizer_dir(cfg, None if cfg.dataset_name else prepare_embedded_task(cfg)["tokenizer"])
+        jobs = [sft_source(cfg, cfg.train_split), sft_source(cfg, cfg.eval_split, eval_source(cfg))]
+    except ConfigError: return None
+    return tokenize_ahead(tok, jobs)
 
 # %% ../nbs/14c_sft.ipynb
 @patch

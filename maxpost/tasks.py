@@ -13,13 +13,13 @@ __all__ = ['NAMES', 'ITEMS', 'SYSTEM_PROMPT', 'TASK_FILES', 'SHORTCUT_SHARE', 'H
            'calculator_messages', 'write_calculator_task', 'prepare_calculator_task']
 
 # %% ../nbs/05_tasks.ipynb
-import importlib.util, json, os, random, re, string, subprocess, sys
+import json, os, random, re, string, subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from .config import ConfigError, RunConfig, TrainConfig, eval_source
-from .data import DATASETS_CACHE
+from .data import DATASETS_CACHE, maxpost_child
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 # %% ../nbs/05_tasks.ipynb
@@ -304,11 +304,8 @@ def start_embedded_task(cfg: RunConfig) -> subprocess.Popen | None:
     "A child process writing the embedded task of `cfg` (`prepare_task`, as `prepare_embedded_task` would) when its manifest is not written yet; None when it is, when the run names a dataset, or for an unknown variant (`prepare_embedded_task` says so)."
     d, v = embedded_task_dir(cfg), _variant(cfg)
     if getattr(cfg, "dataset_name", "") or v not in TASK_VARIANTS or (d / "embedded.json").exists(): return None
-    root = str(Path(importlib.util.find_spec("maxpost").origin).resolve().parents[1])   # this maxpost, wherever it comes from
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     code = "import sys; from maxpost.tasks import prepare_task; prepare_task(sys.argv[1], sys.argv[2], seed=int(sys.argv[3]))"
-    return subprocess.Popen([sys.executable, "-c", code, str(d), v, str(TASK_SEED)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return maxpost_child(code, str(d), v, str(TASK_SEED))
 
 # %% ../nbs/05_tasks.ipynb
 def embedded_split(cfg: RunConfig, split: str, prefix: str = "") -> tuple[str, str]:

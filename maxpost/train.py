@@ -173,6 +173,7 @@ class Trainer:
         self.mesh, self.tokenizer, self.tok_dir, self.model_cfg = s.mesh, s.tokenizer, s.tokenizer_dir, s.model.cfg
         self.models = {k: m for k, m in s.models.items() if k != "policy"}   # what a kind loaded besides (a teacher)
         self.early = s.early        # programs the command started from shapes (`compile_step_ahead` takes them)
+        self.data_ahead = s.data_ahead   # a child process tokenizing this kind's data meanwhile (`early_data`)
         with self.clock("weights"):
             self.weights: TrainableWeights = trainable_weights(cfg, self.mesh)   # every weight, or LoRA (07b_policy)
             self.graphdef, self.params, self.rest = self.weights.split(s.model)
@@ -184,6 +185,11 @@ class Trainer:
     def early_programs(cls, cfg: TrainConfig, mesh) -> dict:
         "What the command may compile from shapes before the weights and data exist (`EarlyPrograms`, chapter `07g_compile`): name -> `(graphdef, jitted, args)`; a kind whose first program is known from `cfg` alone says so."
         return {}
+
+    @classmethod
+    def early_data(cls, cfg: TrainConfig):
+        "A child process that prepares this kind's data (`tokenize_ahead`, chapter `04_data`) while the command starts its runtime and compiles, or None; the trainer waits for it (`self.data_ahead`) before it reads the data."
+        return None
 
     @classmethod
     def setup_options(cls, cfg: TrainConfig) -> dict:
