@@ -637,12 +637,14 @@ def maxpost_child(code: str, *args: str, **env: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 AHEAD_MIN_CORES = 4   # on fewer cores `tokenize_ahead` starts nothing: its child slows the compiles beside it more than it saves
+_AHEAD_ONE_PROCESS = 50_000   # up to this many examples the child tokenizes alone, on one core: the compiles keep the rest
 
 def tokenize_ahead(tokenizer_dir, jobs: Sequence[dict], *, min_cores: int | None = None) -> subprocess.Popen | None:
     "A child process filling the tokenized cache: `tokenize_dataset` of each job (`dataset`, `split`, `dataset_config` and `tokenize_dataset`'s keywords, as JSON values) with the tokenizer of `tokenizer_dir`; it ends with its parent. None on a host with fewer than `min_cores` (default `AHEAD_MIN_CORES`) cores."
     if _cores() < (AHEAD_MIN_CORES if min_cores is None else min_cores): return None
     spec = json.dumps([str(tokenizer_dir), list(jobs), os.getpid()])
-    return maxpost_child("import sys; from maxpost.data import _tokenize_jobs; _tokenize_jobs(sys.argv[1])", spec, JAX_PLATFORMS="cpu")
+    return maxpost_child("import sys; from maxpost.data import _tokenize_jobs; _tokenize_jobs(sys.argv[1])", spec, JAX_PLATFORMS="cpu",
+                         TOKENIZERS_PARALLELISM="false")
 
 # %% ../nbs/04_data.ipynb
 def _tokenize_jobs(spec: str) -> None:
@@ -653,7 +655,7 @@ def _tokenize_jobs(spec: str) -> None:
     for job in jobs:
         job = dict(job)
         rows = load_dataset_split(job.pop("dataset"), job.pop("split"), dataset_config=job.pop("dataset_config", ""))
-        tokenize_dataset(rows, tokenizer, **job)
+        tokenize_dataset(rows, tokenizer, **{"num_proc": 1 if len(rows) <= _AHEAD_ONE_PROCESS else None, **job})
 
 def _end_with(parent: int) -> None:
     "Exit this process once `parent` has gone (an orphan is handed to another parent)."
