@@ -6,6 +6,7 @@
 #   E2E=1 OUT=/tmp/out bash bench/device/tpu_run.sh      # bench/e2e.py instead (E2E_ARGS: its options)
 #   PROBE=1 OUT=/tmp/out bash bench/device/tpu_run.sh    # compile phases per program, then the 1B SFT step's profile
 #                                                          (PROBE_PARTS="profile_step": the profile alone;
+#                                                          "profile_rollout": the 1B decode's, 64 rows of 64 + 256 tokens;
 #                                                          "cache_layout": the decode's KV-cache layouts, probe_cache_layout.py,
 #                                                          CACHE_ARGS: its options)
 #   DUMP=1 OUT=/tmp/out bash bench/device/tpu_run.sh     # the 1B RL update compiled with XLA's dump: where its memory goes
@@ -36,6 +37,10 @@ if [ -n "${PROBE:-}" ]; then  # where compile time goes (bench/compile_probe.py)
     part compile_probe ${T_PROBE:-240} $PY bench/compile_probe.py --parts $BIG;; esac
   case " ${PROBE_PARTS:-compile_probe profile_step} " in *" profile_step "*)
     TAIL=40 part profile_step ${T_PROF:-300} $PY bench/profile_step.py sft --platform "" $SHAPE --remat full --dtype bfloat16;; esac
+  case " ${PROBE_PARTS:-compile_probe profile_step} " in *" profile_rollout "*)   # the 1B decode op by op (not by default)
+    if [ -z "${QUICK:-}" ]; then ROLL="--preset ${M:-llama3.2-1b} --batch 64 --prompt 64 --new 256"
+    else ROLL="--shape tiny --batch 8 --prompt 16 --new 32"; fi
+    TAIL=40 part profile_rollout ${T_ROLL:-300} $PY bench/profile_step.py rollout --platform "" $ROLL --dtype bfloat16;; esac
   case " ${PROBE_PARTS:-compile_probe profile_step} " in *" cache_layout "*)   # the decode's cache layouts (not by default)
     TAIL=12 part cache_layout ${T_CACHE:-150} $PY bench/device/probe_cache_layout.py ${QUICK:+--quick} ${CACHE_ARGS:-};; esac
   echo "total $(( $(date +%s) - T0 )) s"; exit
