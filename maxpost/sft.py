@@ -4,7 +4,8 @@
 
 # %% ../nbs/14c_sft.ipynb 4
 from __future__ import annotations
-import math, sys
+import math, os, sys
+from pathlib import Path
 from dataclasses import dataclass
 
 import jax, jax.numpy as jnp, numpy as np, optax
@@ -131,8 +132,8 @@ class SFTTrainer(Trainer):
             compile_step_ahead(self, "step_fn", self.params, self.rest, self.opt_state,
                                sharding.shard_batch({k: rows for k in _STEP_BATCH_KEYS}, self.mesh))
         with self.clock("data"):
-            check_held_out(cfg)
             if self.data_ahead is not None: self.data_ahead.wait()   # the splits tokenized meanwhile (`early_data`)
+            check_held_out(cfg)
             self.train_it = sft_data(cfg, self.tokenizer, cfg.train_split, shuffle=True)
             self.eval_it = sft_data(cfg, self.tokenizer, cfg.eval_split, shuffle=False, num_epochs=1, source=eval_source(cfg))
             self._eval_start = self.eval_it.state()
@@ -182,12 +183,13 @@ def early_programs(cls: SFTTrainer, cfg: SFTConfig, mesh) -> dict:
 # %% ../nbs/14c_sft.ipynb
 @patch(cls_method=True)
 def early_data(cls: SFTTrainer, cfg: SFTConfig):
-    "The train and eval splits tokenized in a child process (`Trainer.early_data`); None when the tokenizer or the data cannot be named yet (the setup says why)."
+    "The train and eval splits tokenized in a child process (`Trainer.early_data`) when both are local files (a hub dataset downloads where its progress shows); None when not, or when the tokenizer or the data cannot be named yet (the setup says why)."
     from maxpost.policy import tokenizer_dir
     try:
         tok = tokenizer_dir(cfg, None if cfg.dataset_name else prepare_embedded_task(cfg)["tokenizer"])
         jobs = [sft_source(cfg, cfg.train_split), sft_source(cfg, cfg.eval_split, eval_source(cfg))]
     except ConfigError: return None
+    if not all(Path(os.path.expanduser(j["dataset"])).exists() for j in jobs): return None
     return tokenize_ahead(tok, jobs)
 
 # %% ../nbs/14c_sft.ipynb
