@@ -299,7 +299,7 @@ def attend(q_btnh, k_bkhs, v_bksh, spans: Spans, scale: float, *, window: int | 
 # %% ../nbs/01b_attention.ipynb
 def attend_step(q_b1nh, k_bkhs, v_bksh, k_bkh1, v_bk1h, spans: Spans, index, scale: float,
                 window: int | None = None, tail=None) -> jax.Array:
-    "One decode step (T = 1): attention over the cache before this step's write (`k_bkhs`, `v_bksh`; slot `index` empty) plus the step's own key `k_bkh1` and value `v_bk1h`; `spans` of the query and of the written cache. With `tail=(k_cbkh, v_cbkh, start)` the slots from `start` on are read from the tail (slot `start + c` is its row `c`), not from the cache. Returns [B,1,N,H], as `attend` over the written cache."
+    "One decode step (T = 1): attention over the cache before this step's write (`k_bkhs`, `v_bksh`; slot `index` empty) plus the step's own key `k_bkh1` and value `v_bk1h`; `spans` of the query and of the written cache. With `tail=(k_bkch, v_bkch, start)` the slots from `start` on are read from the tail (slot `start + c` is its row `c`), not from the cache. Returns [B,1,N,H], as `attend` over the written cache."
     b, _, n, h = q_b1nh.shape
     k, S = v_bksh.shape[1], k_bkhs.shape[-1]
     mask_bs = attention_mask(*spans, window)[:, 0]
@@ -319,15 +319,15 @@ def attend_step(q_b1nh, k_bkhs, v_bksh, k_bkh1, v_bk1h, spans: Spans, index, sca
     total = p_bkgs.sum(-1, keepdims=True) + p_bkg1
     if tail is not None:
         p_bkgc = jnp.exp(s_bkgc - top)
-        o_bkgh = o_bkgh + jnp.einsum("bkgc,cbkh->bkgh", p_bkgc.astype(tail[1].dtype), tail[1])
+        o_bkgh = o_bkgh + jnp.einsum("bkgc,bkch->bkgh", p_bkgc.astype(tail[1].dtype), tail[1])
         total = total + p_bkgc.sum(-1, keepdims=True)
     return (o_bkgh / total).astype(q_b1nh.dtype).reshape(b, 1, n, h)
 
 def _tail_scores(q_bkgh, tail, mask_bs, index, scale, top):
     "The tail's masked scores [B,K,G,C] (its slots written before this step's) and the joint maximum with them."
-    k_cbkh, _, start = tail
-    C = k_cbkh.shape[0]
+    k_bkch, _, start = tail
+    C = k_bkch.shape[2]
     seen_bc = jax.lax.dynamic_slice_in_dim(mask_bs, start, C, axis=1) & (start + jnp.arange(C) < index)[None]
-    s_bkgc = jnp.einsum("bkgh,cbkh->bkgc", q_bkgh, k_cbkh, preferred_element_type=jnp.float32) * scale
+    s_bkgc = jnp.einsum("bkgh,bkch->bkgc", q_bkgh, k_bkch, preferred_element_type=jnp.float32) * scale
     s_bkgc = jnp.where(seen_bc[:, None, None], s_bkgc, NEG_INF)
     return s_bkgc, jnp.maximum(top, s_bkgc.max(-1, keepdims=True))

@@ -290,7 +290,7 @@ after_read.defvjp(lambda o, *ys: (after(o, *ys), o), lambda o, cts: (jnp.zeros_l
 # %% ../nbs/02_model.ipynb
 @patch
 def __call__(self: Attention, x_btd, sin_cos, spans: Spans, kv=None, local=None, tape=None):
-    "The attention output [B,T,D] and, with `kv=(k_bkhs, v_bksh, index)` (this layer's cache before the call and the first slot to write; a fourth item `(k_cbkh, v_cbkh, start)`: this layer's tail, see `with_tail`), the new tokens' keys [B,K,H,T] and values [B,K,T,H] for the caller to write at slot `index` (after this layer's read of the cache). `sin_cos`: `rope_sin_cos` of the positions for this layer's kind; `spans`: of the queries and of the keys (the row itself, or the written cache); `local`: see `by_window`."
+    "The attention output [B,T,D] and, with `kv=(k_bkhs, v_bksh, index)` (this layer's cache before the call and the first slot to write; a fourth item `(k_bkch, v_bkch, start)`: this layer's tail, see `with_tail`), the new tokens' keys [B,K,H,T] and values [B,K,T,H] for the caller to write at slot `index` (after this layer's read of the cache). `sin_cos`: `rope_sin_cos` of the positions for this layer's kind; `spans`: of the queries and of the keys (the row itself, or the written cache); `local`: see `by_window`."
     c, dt = self.cfg, jnp.dtype(self.cfg.dtype)
     proj = dense if tape is None else tape.dense
     q_btnh = constrain(project(self, "q_proj", x_btd, proj), ("batch", "length", "heads", "head_dim"))
@@ -537,16 +537,16 @@ def repeat_cache(cache: dict, g: int) -> dict:
 TAIL_KEYS = ("k_tail", "v_tail", "tail_start")
 
 def with_tail(cache: dict, slots: int) -> dict:
-    "`cache` with an empty tail of `slots` slots from its `index` on: decode steps write their keys and values there (`[C,L,B,K,H]`, slot major) and only read `k` and `v`, until `flush_tail`. The cache needs room for them (`index + slots` slots at most)."
+    "`cache` with an empty tail of `slots` slots from its `index` on: decode steps write their keys and values there (both `[L,B,K,C,H]`: a layer's slice in the layout the products read) and only read `k` and `v`, until `flush_tail`. The cache needs room for them (`index + slots` slots at most)."
     l, b, k, h, _ = cache["k"].shape
-    tail = jnp.zeros((slots, l, b, k, h), cache["k"].dtype)
+    tail = jnp.zeros((l, b, k, slots, h), cache["k"].dtype)
     return dict(cache, k_tail=tail, v_tail=tail.astype(cache["v"].dtype), tail_start=cache["index"])
 
 def flush_tail(cache: dict) -> dict:
     "`cache` with its tail written into `k` and `v` from the tail's start (one write of all its slots; those not yet written are empty) and the tail gone."
     start = cache["tail_start"]
-    k = jax.lax.dynamic_update_slice(cache["k"], cache["k_tail"].transpose(1, 2, 3, 4, 0), (0, 0, 0, 0, start))
-    v = jax.lax.dynamic_update_slice(cache["v"], cache["v_tail"].transpose(1, 2, 3, 0, 4), (0, 0, 0, start, 0))
+    k = jax.lax.dynamic_update_slice(cache["k"], cache["k_tail"].swapaxes(3, 4), (0, 0, 0, 0, start))
+    v = jax.lax.dynamic_update_slice(cache["v"], cache["v_tail"], (0, 0, 0, start, 0))
     return {**{n: x for n, x in cache.items() if n not in TAIL_KEYS}, "k": k, "v": v}
 
 # %% ../nbs/02_model.ipynb
@@ -621,14 +621,14 @@ def run_layers(self: Decoder, x_btd, positions_bt, spans: Spans, kv=None):
         sc = jax.tree.map(lambda a, b: jnp.where(local, a, b), rope[True], rope[False]) if mixed else rope[kinds[0]]
         at = lambda a, axis=0: jax.lax.dynamic_index_in_dim(a, i, axis, keepdims=False)
         mine = None if kv is None else (at(kv[0] if tail else k_v[0]), at(kv[1] if tail else k_v[1]), kv[2])
-        if tail: mine = mine + ((at(k_v[0], 1), at(k_v[1], 1), tail[2]),)
+        if tail: mine = mine + ((at(k_v[0]), at(k_v[1]), tail[2]),)
         if c.remat == "none": x_btd, new = block(x_btd, sc, spans, mine, local)
         else: x_btd, new = recompute_in_backward(block, x_btd, sc, spans, mine, local, keep_projections=c.remat == "minimal")
         if kv is None: return x_btd, None
-        if tail:                                             # one [B,K,H] block of the tail per layer: see `with_tail`
+        if tail:                                             # slot j of layer i's [B,K,C,H] tail: see `with_tail`
             (k_t, v_t), j = k_v, kv[2] - tail[2]
-            return x_btd, (jax.lax.dynamic_update_slice(k_t, new[0][None, None, ..., 0].astype(k_t.dtype), (j, i, 0, 0, 0)),
-                           jax.lax.dynamic_update_slice(v_t, new[1][None, None, :, :, 0].astype(v_t.dtype), (j, i, 0, 0, 0)))
+            return x_btd, (jax.lax.dynamic_update_slice(k_t, new[0].swapaxes(2, 3)[None].astype(k_t.dtype), (i, 0, 0, j, 0)),
+                           jax.lax.dynamic_update_slice(v_t, new[1][None].astype(v_t.dtype), (i, 0, 0, j, 0)))
         k_all, v_all = k_v                                   # this layer's new keys written into the stack in place
         return x_btd, (jax.lax.dynamic_update_slice(k_all, new[0][None].astype(k_all.dtype), (i, 0, 0, 0, kv[2])),
                        jax.lax.dynamic_update_slice(v_all, new[1][None].astype(v_all.dtype), (i, 0, 0, kv[2], 0)))
