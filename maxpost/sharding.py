@@ -12,14 +12,14 @@ from pathlib import Path
 import numpy as np
 import jax
 import jax.extend
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, AxisType
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, AxisType, SingleDeviceSharding
 from flax import nnx
 
 # %% auto 0
-__all__ = ['AXES', 'LOGICAL_RULES', 'mesh_shape', 'make_mesh', 'logical_spec', 'active_mesh', 'constrain', 'logical_init',
-           'logical_names', 'param_shardings', 'shard_state', 'shard_model', 'create_sharded', 'abstract_sharded',
-           'batch_sharding', 'process_batch_slice', 'shard_batch', 'host_array', 'variable_at', 'init_distributed',
-           'user_cache_dir', 'enable_compilation_cache']
+__all__ = ['AXES', 'LOGICAL_RULES', 'INIT_HOST_SHARE', 'mesh_shape', 'make_mesh', 'logical_spec', 'active_mesh', 'constrain',
+           'logical_init', 'logical_names', 'param_shardings', 'shard_state', 'shard_model', 'init_on_host',
+           'create_sharded', 'abstract_sharded', 'batch_sharding', 'process_batch_slice', 'shard_batch', 'host_array',
+           'variable_at', 'init_distributed', 'user_cache_dir', 'enable_compilation_cache']
 
 # %% ../nbs/01_sharding.ipynb
 AXES = ("data", "fsdp", "tensor")
@@ -145,27 +145,46 @@ def _init_fn(make_model: Callable[[], nnx.Module]) -> tuple[dict, Callable]:
         return state
     return box, init
 
-def _init_leaves(init: Callable, mesh: Mesh, rules) -> Any:
-    "`init()`'s state, sharded by its logical names, from one program per array: `init` traced once, each program keeping only its own array's draws (the same operations, so the same bits as one program), lowered here and compiled side by side on threads."
+def _init_leaves(init: Callable, mesh: Mesh, rules, host: bool = False) -> Any:
+    "`init()`'s state, sharded by its logical names, from one program per array: `init` traced once, each program keeping only its own array's draws (the same operations, so the same bits as one program), lowered here and compiled side by side on threads. `host`: each program runs on the host's CPU and its array is then placed on its shards."
     closed, shapes = jax.make_jaxpr(init, return_shape=True)()   # plain tracing: no mesh lookup of names
     leaves, tree = jax.tree.flatten(shapes)
     shardings = jax.tree.leaves(param_shardings(shapes, mesh, rules))
     run = jax.extend.core.jaxpr_as_fun(closed)
+    cpu = SingleDeviceSharding(jax.devices("cpu")[0]) if host else None
     def lower(i):
         def init(): return run()[i]                  # `init` names the programs in the first-step table
-        return jax.jit(init, out_shardings=shardings[i]).lower()
+        return jax.jit(init, out_shardings=cpu or shardings[i]).lower()
+    def make(i, low):
+        x = low.compile()
+        return _place(x(), shardings[i]) if host else x   # on the host: drawn and sent on this thread too
     lowered = [lower(i) for i in range(len(leaves))]
     with ThreadPoolExecutor(min(16, len(lowered)), thread_name_prefix="init") as pool:
-        compiled = list(pool.map(lambda low: low.compile(), lowered))
-    return tree.unflatten([c() for c in compiled])
+        made = list(pool.map(make, range(len(leaves)), lowered))
+    return tree.unflatten(made if host else [c() for c in made])
+
+INIT_HOST_SHARE = 0.5   # the most of the host's free memory that random weights drawn there may take
+
+def _free_host_bytes() -> int:
+    try: return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError): return 0   # not known here: draw on the devices
+
+def init_on_host(mesh: Mesh, nbytes: int) -> bool:
+    "Whether `create_sharded` draws random weights of `nbytes` on the host's CPU and copies them to `mesh` (by default): on a TPU, whose compiler takes seconds for one array's normal draws, when JAX has a CPU backend there and the weights take at most `INIT_HOST_SHARE` of the host's free memory."
+    if mesh.devices.flat[0].platform != "tpu": return False
+    try: jax.devices("cpu")
+    except RuntimeError: return False                        # JAX_PLATFORMS without cpu
+    return nbytes <= INIT_HOST_SHARE * _free_host_bytes()
 
 def create_sharded(make_model: Callable[[], nnx.Module], mesh: Mesh, rules=LOGICAL_RULES, *,
-                   split: bool | None = None) -> nnx.Module:
-    "Build `make_model()` directly on `mesh`: jitted init whose outputs are already sharded; `split` (default: on an accelerator, where it compiles faster; a CPU compiles one program faster): one program per array (`_init_leaves`), the same bits."
+                   split: bool | None = None, host: bool | None = None) -> nnx.Module:
+    "Build `make_model()` directly on `mesh`: jitted init whose outputs are already sharded; `split` (default: on an accelerator, where it compiles faster; a CPU compiles one program faster): one program per array (`_init_leaves`), the same bits; `host` (default: `init_on_host`, on a TPU): those programs run on the host's CPU, their arrays then sent to the shards."
     box, init = _init_fn(make_model)
+    shapes = jax.eval_shape(init)                            # plain eval_shape: no mesh lookup of names
+    if host is None: host = init_on_host(mesh, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
     if split is None: split = mesh.devices.flat[0].platform != "cpu"
-    if split: state = _init_leaves(init, mesh, rules)
-    else: state = jax.jit(init, out_shardings=param_shardings(jax.eval_shape(init), mesh, rules))()  # plain eval_shape: no mesh lookup of names
+    if split or host: state = _init_leaves(init, mesh, rules, host)
+    else: state = jax.jit(init, out_shardings=param_shardings(shapes, mesh, rules))()
     return nnx.merge(box["graphdef"], state)
 
 def abstract_sharded(make_model: Callable[[], nnx.Module], mesh: Mesh, rules=LOGICAL_RULES) -> nnx.Module:
