@@ -609,7 +609,7 @@ def logits(self: Decoder, hidden_btd: jax.Array) -> jax.Array:
 # %% ../nbs/02_model.ipynb
 @patch
 def run_layers(self: Decoder, x_btd, positions_bt, spans: Spans, kv=None):
-    "Every layer over `x_btd`: one `lax.scan` over the stacked weights (`cfg.scan_layers`), or a Python loop over their slices; `kv`: (k, v, index) of a stacked cache, carried through and written in place, or (k, v, index, (k_tail, v_tail, start)) with a tail (`with_tail`): the tail carried and written, the cache only read. Returns (x, the new (k, v) or tail, or None)."
+    "Every layer over `x_btd`: one `lax.scan` over the stacked weights (`cfg.scan_layers`), or a Python loop over their slices; `kv`: (k, v, index) of a stacked cache, carried through and written in place, or (k, v, index, (k_tail, v_tail, start)) with a tail (`with_tail`): the cache and the tail only read by the layers, every layer's new key and value then written into the tail at once (`_write_tail`). Returns (x, the new (k, v) or tail, or None)."
     c = self.cfg
     mixed = mixed_windows(c)
     kinds = sorted({c.is_local(i) for i in range(c.num_layers)})
@@ -619,32 +619,38 @@ def run_layers(self: Decoder, x_btd, positions_bt, spans: Spans, kv=None):
     def layer(x_btd, k_v, st, i, local):
         block = nnx.merge(graphdef, st)
         sc = jax.tree.map(lambda a, b: jnp.where(local, a, b), rope[True], rope[False]) if mixed else rope[kinds[0]]
-        at = lambda a, axis=0: jax.lax.dynamic_index_in_dim(a, i, axis, keepdims=False)
+        at = lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
         mine = None if kv is None else (at(kv[0] if tail else k_v[0]), at(kv[1] if tail else k_v[1]), kv[2])
-        if tail: mine = mine + ((at(k_v[0]), at(k_v[1]), tail[2]),)
+        if tail: mine = mine + ((at(tail[0]), at(tail[1]), tail[2]),)
         if c.remat == "none": x_btd, new = block(x_btd, sc, spans, mine, local)
         else: x_btd, new = recompute_in_backward(block, x_btd, sc, spans, mine, local, keep_projections=c.remat == "minimal")
-        if kv is None: return x_btd, None
-        if tail:                                             # slot j of layer i's [B,K,C,H] tail: see `with_tail`
-            (k_t, v_t), j = k_v, kv[2] - tail[2]
-            return x_btd, (jax.lax.dynamic_update_slice(k_t, new[0].swapaxes(2, 3)[None].astype(k_t.dtype), (i, 0, 0, j, 0)),
-                           jax.lax.dynamic_update_slice(v_t, new[1][None].astype(v_t.dtype), (i, 0, 0, j, 0)))
+        if kv is None or tail: return x_btd, new             # with a tail: the layer's new key and value, written below
         k_all, v_all = k_v                                   # this layer's new keys written into the stack in place
         return x_btd, (jax.lax.dynamic_update_slice(k_all, new[0][None].astype(k_all.dtype), (i, 0, 0, 0, kv[2])),
                        jax.lax.dynamic_update_slice(v_all, new[1][None].astype(v_all.dtype), (i, 0, 0, kv[2], 0)))
-    k_v = None if kv is None else tail[:2] if tail else kv[:2]
+    k_v = None if kv is None or tail else kv[:2]
     locals_l = jnp.asarray([c.is_local(i) for i in range(c.num_layers)]) if mixed else None
     if c.scan_layers:
         def body(carry, xs):
             x_btd, k_v = carry
             x_btd, new = layer(x_btd, k_v, *xs)
+            if tail: return (x_btd, k_v), new                   # the scan stacks them: [L, ...]
             return (x_btd, k_v if new is None else new), None
-        (x_btd, k_v), _ = jax.lax.scan(body, (x_btd, k_v), (state, jnp.arange(c.num_layers), locals_l))
-        return x_btd, k_v
-    for i in range(c.num_layers):                            # unrolled: the same weights, L copies of the program
-        x_btd, new = layer(x_btd, k_v, jax.tree.map(lambda a: a[i], state), i, None if locals_l is None else locals_l[i])
-        k_v = k_v if new is None else new
-    return x_btd, k_v
+        (x_btd, k_v), news = jax.lax.scan(body, (x_btd, k_v), (state, jnp.arange(c.num_layers), locals_l))
+    else:
+        news = []
+        for i in range(c.num_layers):                        # unrolled: the same weights, L copies of the program
+            x_btd, new = layer(x_btd, k_v, jax.tree.map(lambda a: a[i], state), i, None if locals_l is None else locals_l[i])
+            if tail: news.append(new)
+            else: k_v = k_v if new is None else new
+        news = jax.tree.map(lambda *a: jnp.stack(a), *news) if tail else None
+    return x_btd, (_write_tail(tail, news, kv[2]) if tail else k_v)
+
+def _write_tail(tail, news, index):
+    "The tail `(k, v, start)` with every layer's new keys `[L,B,K,H,1]` and values `[L,B,K,1,H]` written at slot `index` (one write each, after the layers: inside their scan the tail is only read, so a layer reads its slice without a copy)."
+    (k_t, v_t, start), (k_new, v_new), j = tail, news, index - tail[2]
+    return (jax.lax.dynamic_update_slice(k_t, k_new.swapaxes(3, 4).astype(k_t.dtype), (0, 0, 0, j, 0)),
+            jax.lax.dynamic_update_slice(v_t, v_new.astype(v_t.dtype), (0, 0, 0, j, 0)))
 
 # %% ../nbs/02_model.ipynb
 def weight_decay_mask(params):
