@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse, collections, glob, gzip, json, os, re, sys, tempfile, time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))   # this checkout's maxpost, also from an untracked copy
 import common
 
 
@@ -28,7 +29,12 @@ def build(a):
         cfg = get_model_config(a.preset, dtype=a.dtype, param_dtype=a.dtype, remat=a.remat)
     else:
         cfg = common.maxpost_config(a.shape)
-    model = create_model(cfg, seed=0)
+    if a.preset and a.what == "rollout":   # constant weights: a decode's speed does not depend on them, and a 1B
+        gd, st = nnx.split(nnx.eval_shape(lambda: create_model(cfg, seed=0)))   # eager random init compiles for minutes on a TPU
+        st = jax.tree.map(lambda x: jnp.full(x.shape, 0.01, x.dtype) * (1 + jnp.arange(x.shape[-1], dtype=x.dtype) % 7), st)
+        model = nnx.merge(gd, st)
+    else:
+        model = create_model(cfg, seed=0)
     if a.what == "rollout":
         from maxpost.sampling import generate
         prompts = common.prompt_ids(a.batch, a.prompt, cfg.vocab_size, seed=1)
@@ -94,6 +100,7 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default=None, help="a maxpost preset instead of --shape (e.g. llama3.2-1b)")
     ap.add_argument("--dtype", default="bfloat16", help="with --preset: compute and parameter dtype")
     ap.add_argument("--remat", default="full", help="with --preset: the remat policy")
+    ap.add_argument("--save-hlo", default=None, help="write the optimized HLO of the profiled program here (.txt.gz)")
     ap.add_argument("--platform", default="cpu", help="JAX_PLATFORMS ('': the machine's accelerator)")
     a = ap.parse_args(argv)
     work = tempfile.mkdtemp(prefix="maxpost_profile_")
@@ -105,6 +112,10 @@ def main(argv=None) -> int:
     t0 = time.perf_counter(); one(); wall = time.perf_counter() - t0
     with jax.profiler.trace(f"{work}/trace", create_perfetto_trace=True): one()
     names = op_names(f"{work}/hlo", module)
+    if a.save_hlo:   # the optimized module, to read the ops' fusions and layouts afterwards
+        import shutil
+        src = sorted(glob.glob(f"{work}/hlo/*jit_{module}.*after_optimizations.txt"), key=os.path.getsize)[-1]
+        with open(src, "rb") as f, gzip.open(a.save_hlo, "wb") as g: shutil.copyfileobj(f, g)
     trace = json.load(gzip.open(glob.glob(f"{work}/trace/**/*.trace.json.gz", recursive=True)[0]))
     total, calls, spans, threads = collections.Counter(), collections.Counter(), [], set()
     for e in trace["traceEvents"]:

@@ -30,7 +30,8 @@ k (KV head), h (head dim), s (slot), each cache stacked on a leading layer axis.
 The sixth session (2026-12-07) found every layout within 1 % of the others and every write mode above, the Pallas
 DMA included, 3.6-3.9 ms a step over `read_only`: the one-slot write into a cache whose slot axis a TPU keeps in the
 lanes. Only the tail avoids it (`tail32`: 1.85 ms a step against 4.80); maxpost's sampler
-decodes that way since (`with_tail`, chapter 02_model).
+decodes that way since (`with_tail`, chapter 02_model), and since the eighth session writes the tail once after the
+layers' scan instead of in it (the tail here is still written inside the scan).
 
 Prints ms a step for each (best of `--repeats` calls after a first that compiles) and what reading the cache once
 costs at the HBM bandwidth given.

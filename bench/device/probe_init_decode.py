@@ -8,7 +8,8 @@ program per array compiled on threads (`_init_leaves`' split), run once each; pr
 the arrays are bit-equal. `decode`: `generate` at 1B, 64 rows of 64 prompt + 256 new tokens, greedy, on constant
 weights (no init to compile; the speed does not depend on the values), first call (compile) then the best of two;
 `step` sends every decode step through `attend_step` (what `Attention` does since this session; before it, only
-with one KV head), `unroll_step` also unrolls the layers instead of scanning them.
+with one KV head), `unroll_step` also unrolls the layers instead of scanning them. Then the same call with one new
+token (the prefill and one step) and, from the two, the decode loop's own time a step.
 """
 import concurrent.futures as cf, inspect, sys, textwrap, time
 from pathlib import Path
@@ -55,6 +56,11 @@ def decode_probe(variant: str):
         t = time.time(); r = run(); ts.append(time.time() - t)
     P(f"{variant}: call {min(ts):.3f} s, {1e3 * min(ts) / 256:.2f} ms a step; tokens[0,:8] "
       f"{r.completion_ids[0, :8].tolist()} sum {int(r.completion_ids.sum())}")
+    one = lambda: generate(model, prompts, max_prompt_length=64, max_completion_length=1, temperature=0.0, eos_ids=())
+    one(); t1 = []                                   # the prefill and one step: what the loop's other 255 steps add to
+    for _ in range(2):
+        t = time.time(); one(); t1.append(time.time() - t)
+    P(f"{variant}: prefill and one step {min(t1):.3f} s; the other 255 steps {1e3 * (min(ts) - min(t1)) / 255:.2f} ms a step")
 
 
 if __name__ == "__main__":
