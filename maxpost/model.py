@@ -537,7 +537,7 @@ def repeat_cache(cache: dict, g: int) -> dict:
 TAIL_KEYS = ("k_tail", "v_tail", "tail_start")
 
 def with_tail(cache: dict, slots: int) -> dict:
-    "`cache` with an empty tail of `slots` slots from its `index` on: decode steps write their keys and values there (both `[L,B,K,C,H]`: a layer's slice in the layout the products read) and only read `k` and `v`, until `flush_tail`. The cache needs room for them (`index + slots` slots at most)."
+    "`cache` with an empty tail of `slots` slots from its `index` on: decode steps write their keys and values there (both `[L,B,K,C,H]`, once a step after the layers: `_write_tail`) and only read `k` and `v`, until `flush_tail`. The cache needs room for them (`index + slots` slots at most)."
     l, b, k, h, _ = cache["k"].shape
     tail = jnp.zeros((l, b, k, slots, h), cache["k"].dtype)
     return dict(cache, k_tail=tail, v_tail=tail.astype(cache["v"].dtype), tail_start=cache["index"])

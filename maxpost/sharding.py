@@ -145,10 +145,11 @@ def _init_fn(make_model: Callable[[], nnx.Module]) -> tuple[dict, Callable]:
         return state
     return box, init
 
-def _init_leaves(init: Callable, mesh: Mesh, rules, host: bool = False) -> Any:
-    "`init()`'s state, sharded by its logical names, from one program per array: `init` traced once, each program keeping only its own array's draws (the same operations, so the same bits as one program), lowered here and compiled side by side on threads. `host`: each program runs on the host's CPU and its array is then placed on its shards."
+def _init_leaves(init: Callable, mesh: Mesh, rules, host: bool | None = None) -> Any:
+    "`init()`'s state, sharded by its logical names, from one program per array: `init` traced once, each program keeping only its own array's draws (the same operations, so the same bits as one program), lowered here and compiled side by side on threads. `host` (default: `init_on_host`): each program runs on the host's CPU and its array is then placed on its shards."
     closed, shapes = jax.make_jaxpr(init, return_shape=True)()   # plain tracing: no mesh lookup of names
     leaves, tree = jax.tree.flatten(shapes)
+    if host is None: host = init_on_host(mesh, sum(x.size * x.dtype.itemsize for x in leaves))
     shardings = jax.tree.leaves(param_shardings(shapes, mesh, rules))
     run = jax.extend.core.jaxpr_as_fun(closed)
     cpu = SingleDeviceSharding(jax.devices("cpu")[0]) if host else None
@@ -178,13 +179,11 @@ def init_on_host(mesh: Mesh, nbytes: int) -> bool:
 
 def create_sharded(make_model: Callable[[], nnx.Module], mesh: Mesh, rules=LOGICAL_RULES, *,
                    split: bool | None = None, host: bool | None = None) -> nnx.Module:
-    "Build `make_model()` directly on `mesh`: jitted init whose outputs are already sharded; `split` (default: on an accelerator, where it compiles faster; a CPU compiles one program faster): one program per array (`_init_leaves`), the same bits; `host` (default: `init_on_host`, on a TPU): those programs run on the host's CPU, their arrays then sent to the shards."
+    "Build `make_model()` directly on `mesh`: jitted init whose outputs are already sharded; `split` (default: on an accelerator, where it compiles faster; a CPU compiles one program faster): one program per array (`_init_leaves`), the same bits, and with it `host` (default: `init_on_host`, on a TPU): those programs run on the host's CPU, their arrays then sent to the shards."
     box, init = _init_fn(make_model)
-    shapes = jax.eval_shape(init)                            # plain eval_shape: no mesh lookup of names
-    if host is None: host = init_on_host(mesh, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
-    if split is None: split = mesh.devices.flat[0].platform != "cpu"
-    if split or host: state = _init_leaves(init, mesh, rules, host)
-    else: state = jax.jit(init, out_shardings=param_shardings(shapes, mesh, rules))()
+    if split is None: split = bool(host) or mesh.devices.flat[0].platform != "cpu"
+    if split: state = _init_leaves(init, mesh, rules, host)
+    else: state = jax.jit(init, out_shardings=param_shardings(jax.eval_shape(init), mesh, rules))()  # plain eval_shape: no mesh lookup of names
     return nnx.merge(box["graphdef"], state)
 
 def abstract_sharded(make_model: Callable[[], nnx.Module], mesh: Mesh, rules=LOGICAL_RULES) -> nnx.Module:
