@@ -40,7 +40,8 @@ if [ -n "${PROBE:-}" ]; then  # where compile time goes (bench/compile_probe.py)
   case " ${PROBE_PARTS:-compile_probe profile_step} " in *" profile_rollout "*)   # the 1B decode op by op (not by default)
     if [ -z "${QUICK:-}" ]; then ROLL="--preset ${M:-llama3.2-1b} --batch 64 --prompt 64 --new 256"
     else ROLL="--shape tiny --batch 8 --prompt 16 --new 32"; fi
-    TAIL=40 part profile_rollout ${T_ROLL:-300} $PY bench/profile_step.py rollout --platform "" $ROLL --dtype bfloat16;; esac
+    TAIL=50 part profile_rollout ${T_ROLL:-300} $PY bench/profile_step.py rollout --platform "" $ROLL --dtype bfloat16 \
+      --top 45 --save-hlo "$OUT/rollout_hlo.txt.gz";; esac
   case " ${PROBE_PARTS:-compile_probe profile_step} " in *" cache_layout "*)   # the decode's cache layouts (not by default)
     TAIL=12 part cache_layout ${T_CACHE:-150} $PY bench/device/probe_cache_layout.py ${QUICK:+--quick} ${CACHE_ARGS:-};; esac
   echo "total $(( $(date +%s) - T0 )) s"; exit
