@@ -266,7 +266,7 @@ def test_decoder_sharded_equals_single_device(kw, decoder_reference):
 
 
 @pytest.mark.parametrize("preset", ["llama3.2-1b", "qwen3-0.6b", "gemma3-1b"])
-def test_init_as_one_program_per_array_is_bit_identical(preset):
+def test_init_as_one_program_per_array_is_bit_identical(preset, monkeypatch):
     """issue 47: on an accelerator `create_sharded` compiles the init as one program per array, side by side (a TPU
     compiles the whole init as one long job), and on a TPU runs them on the host's CPU (its compiler takes seconds for one
     array's draws); the arrays and their shardings are those of the one program."""
@@ -276,8 +276,12 @@ def test_init_as_one_program_per_array_is_bit_identical(preset):
     cfg = get_model_config(preset, num_layers=3, vocab_size=512, dtype="float32", param_dtype="bfloat16")
     make = lambda **kw: jax.tree.leaves(nnx.state(create_sharded(lambda: Decoder(cfg, rngs=nnx.Rngs(3)), mesh, **kw)))
     a = make(split=False, host=False)
+    import maxpost.sharding as ms
+    drawn, place = [], ms._place
+    monkeypatch.setattr(ms, "_place", lambda x, s: (drawn.append(x.sharding), place(x, s))[1])
     for b in (make(split=True, host=False), make(host=True)):    # per array on the devices; drawn on the host, then placed
         assert len(a) == len(b) > 10
         for x, y in zip(a, b):
             assert x.sharding == y.sharding and x.dtype == y.dtype
             assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+    assert set(drawn) == {jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])} and len(drawn) == len(a)   # on the host
