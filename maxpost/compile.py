@@ -10,7 +10,7 @@ import jax, numpy as np
 from fastcore.basics import patch
 
 # %% auto 0
-__all__ = ['StepCompiler', 'one_cache_read_at_a_time', 'compile_ahead', 'EarlyPrograms']
+__all__ = ['StepCompiler', 'one_cache_read_at_a_time', 'compile_ahead', 'EarlyPrograms', 'settle_compiles']
 
 # %% ../nbs/07g_compile.ipynb
 class StepCompiler:
@@ -82,13 +82,15 @@ def one_cache_read_at_a_time() -> None:
 
 # %% ../nbs/07g_compile.ipynb
 _COMPILER = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="compile")   # XLA compiles without the GIL
+_RUNNING: set = set()    # the compiles of `compile_ahead` not yet ended, and the threads of `EarlyPrograms` (`settle_compiles`)
 
 def compile_ahead(compiler: StepCompiler, *args, mesh=None) -> None:
     "Start compiling `compiler`'s program for `args` (arrays or `jax.ShapeDtypeStruct`s) on a thread, traced under `mesh`, while the caller goes on (loads data, compiles another program); the first call with that signature waits for it."
     one_cache_read_at_a_time()
     key = compiler._signature(args)
     if key not in compiler.programs and key not in compiler.ahead and key not in compiler.early:
-        compiler.ahead[key] = _COMPILER.submit(compiler._lower, args, mesh)
+        compiler.ahead[key] = future = _COMPILER.submit(compiler._lower, args, mesh)
+        _RUNNING.add(future); future.add_done_callback(_RUNNING.discard)
 
 # %% ../nbs/07g_compile.ipynb
 class EarlyPrograms:
@@ -96,7 +98,7 @@ class EarlyPrograms:
     def __init__(self, mesh, plan: Callable | None = None, load: Callable | None = None):
         self.mesh, self.programs, self.loaded, self.error = mesh, {}, None, None
         self._thread = threading.Thread(target=self._run, args=(plan, load), name="early")
-        self._thread.start()
+        _RUNNING.add(self._thread); self._thread.start()
 
     def _run(self, plan, load):
         try:
@@ -106,6 +108,7 @@ class EarlyPrograms:
                 self.programs[name] = (graphdef, *next(iter(compiler.ahead.items())))
             if load is not None: self.loaded = load()
         except Exception as e: self.error = e   # the command's own path meets it again, and says it there
+        finally: _RUNNING.discard(self._thread)
 
     def wait(self) -> None:
         "Until every program's compile has started and `load` has returned."
@@ -116,3 +119,10 @@ class EarlyPrograms:
         self.wait()
         got = self.programs.pop(name, None)
         return got[1:] if got is not None and got[0] == graphdef else None
+
+# %% ../nbs/07g_compile.ipynb
+def settle_compiles() -> None:
+    "Wait until every compile this process started ahead (`compile_ahead`, `EarlyPrograms`) has ended, its result or error left to whoever takes it."
+    for t in [t for t in list(_RUNNING) if isinstance(t, threading.Thread)]:
+        t.join(); _RUNNING.discard(t)
+    concurrent.futures.wait([f for f in list(_RUNNING) if isinstance(f, concurrent.futures.Future)])

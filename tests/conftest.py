@@ -30,3 +30,16 @@ if "MAXPOST_CACHE_DIR" not in os.environ:
 # `maxpost` command does, so that `load_config("sft", ...)` finds its kind in every test.
 from maxpost.cli import load_kinds  # noqa: E402
 load_kinds()   # every kind registered, as the `maxpost` command has them
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _compiles_settled():
+    """After each test, wait for the compiles it started ahead and never took (a trainer's evaluation, an update it did not
+    reach): the next test in the worker then never traces or compiles beside them. Twice a worker died with two such
+    leftover threads inside XLA's CPU client (`maxpost.compile.settle_compiles`)."""
+    yield
+    from maxpost.compile import settle_compiles
+    settle_compiles()
