@@ -158,7 +158,7 @@ class GenerationConfig(QAConfig):
     top_p: float = key(1.0, interval="(0, 1]",
         help="nucleus sampling: the smallest set of tokens with this much probability")
     eval_num_prompts: int = key(256, non_negative=True, resumable=True,
-        help="held-out prompts evaluated; 0 = the whole eval split")
+        help="held-out prompts each evaluation uses; 0 = no held-out evaluation (`maxpost eval`: the whole eval split)")
     eval_k: int = key(8, non_negative=True, resumable=True,
         help="samples per prompt for pass@k / maj@k; 0 = greedy only")
 

@@ -31,6 +31,8 @@ __all__ = ['EVAL_BATCH_SIZE', 'EvalConfig', 'eval_config_for', 'load_examples', 
 class EvalConfig(EpisodeConfig, GenerationConfig):
     "Evaluating a checkpoint: pass@1, pass@k, maj@k and format rate on held-out prompts (with `environment=`, of episodes in it)."
     run_name: str = key("", help="the evaluation's directory name; \"\" = eval-<checkpoint>, next to the runs")
+    eval_num_prompts: int = key(256, non_negative=True, resumable=True,
+        help="held-out prompts evaluated; 0 = the whole eval split")
 
     def problems(self) -> list[str]: return super().problems() + episode_problems(self)
 

@@ -412,7 +412,8 @@ class RLTrainer(Trainer):
     def train_step(self) -> dict: return self.update(self.rollout())
 
     def evaluate(self) -> dict:
-        "pass@1 (greedy), pass@k, maj@k and format rate on the eval split, of episodes with `environment=` (see 14_evaluate)."
+        "pass@1 (greedy), pass@k, maj@k and format rate on the eval split, of episodes with `environment=` (see 14_evaluate); nothing with `eval_num_prompts=0`."
+        if not self.eval_examples: return {}
         with jax.set_mesh(self.mesh):
             res = held_out_metrics(self.cfg, self.model, self.tokenizer, self.eval_examples, program=self.sampler)
         return {k: v for k, v in res.items() if not isinstance(v, (list, dict))}
@@ -433,7 +434,8 @@ def __init__(self: RLTrainer, cfg: RLConfig, setup: Setup, *, reward_fns=None, e
         raise ConfigError(f"max_staleness={cfg.max_staleness} needs maxpost.async_rl.AsyncRLTrainer (what `maxpost rl` "
                           "runs); RLTrainer is the synchronous loop (max_staleness=0)")
     super(RLTrainer, self).__init__(cfg, setup)
-    with self.clock("data"): check_held_out(cfg)
+    if cfg.eval_num_prompts:                # eval_num_prompts=0: no held-out evaluation, so no held-out split to check
+        with self.clock("data"): check_held_out(cfg)
     G, B, A = cfg.num_generations, cfg.global_batch_size, cfg.gradient_accumulation_steps
     self.mini_batch = cfg.mini_batch_size or B
     self.shared_prompts = G > 1            # the update runs each group's prompt once (until memory says otherwise: 08)
@@ -456,7 +458,7 @@ def __init__(self: RLTrainer, cfg: RLConfig, setup: Setup, *, reward_fns=None, e
         self.prompts = PromptIterator(load_examples(cfg, cfg.train_split, check_gold=correctness), seed=cfg.seed)
         from maxpost.rewards import check_reward_columns    # every call of a reward lacking its column would fail
         check_reward_columns(self.rewards, self.prompts.examples[0], f"dataset {cfg.dataset_name or 'embedded task'!r}")
-        self.eval_examples = load_eval_examples(cfg)
+        self.eval_examples = load_eval_examples(cfg) if cfg.eval_num_prompts else []
         self.bucket = prompt_bucket(cfg, self.tokenizer, self.eval_examples + self.prompts.examples[:256])   # a sample
     self.engine = engine if engine is not None else make_engine(cfg, self.model, self.tokenizer)
     self.build_steps()

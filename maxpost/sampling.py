@@ -193,28 +193,30 @@ def decode(model, cache, logits_bv, prompt_lengths, key, temperature, top_k, top
     B, T = logits_bv.shape[0], max_completion_length
     chunk = T if chunk is None else chunk
     tail = tail_decoding() if tail is None else tail
-    def body(c):
+    def sample(c, logits):                       # step t's token from the logits that predict it
         step, live = c["step"], ~c["done"]
-        tok, lp, n, lm = sample_token_mask(jax.random.fold_in(key, step), c["logits"], temperature, top_k, top_p)
+        tok, lp, n, lm = sample_token_mask(jax.random.fold_in(key, step), logits, temperature, top_k, top_p)
         tok = jnp.where(live, tok, pad_id)
-        done = c["done"] | (live & (tok[:, None] == eos_ids[None, :]).any(-1))
-        pos = (prompt_lengths + step)[:, None].astype(jnp.int32)
-        logits, cache = model(tok[:, None], pos, jnp.ones_like(pos), cache=c["cache"])
-        return dict(step=step + 1, cache=cache, logits=logits[:, -1].astype(jnp.float32), done=done,
+        return dict(c, step=step + 1, tok=tok, done=c["done"] | (live & (tok[:, None] == eos_ids[None, :]).any(-1)),
                     ids=c["ids"].at[:, step].set(tok), mask=c["mask"].at[:, step].set(live.astype(jnp.int32)),
                     logps=c["logps"].at[:, step].set(jnp.where(live, lp, 0.0)),
                     num_kept=c["num_kept"].at[:, step].set(jnp.where(live, n, 0)),
                     log_kept_mass=c["log_kept_mass"].at[:, step].set(jnp.where(live, lm, 0.0)))
-    c = dict(step=jnp.int32(0), cache=cache, logits=logits_bv, done=jnp.zeros(B, bool),
-             ids=jnp.full((B, T), pad_id, jnp.int32), mask=jnp.zeros((B, T), jnp.int32),
-             logps=jnp.zeros((B, T), jnp.float32), num_kept=jnp.zeros((B, T), jnp.int32),
-             log_kept_mass=jnp.zeros((B, T), jnp.float32))
+    def body(c):                                 # the last token through the model (its cache slot), then the next
+        pos = (prompt_lengths + c["step"] - 1)[:, None].astype(jnp.int32)
+        logits, cache = model(c["tok"][:, None], pos, jnp.ones_like(pos), cache=c["cache"])
+        return sample(dict(c, cache=cache), logits[:, -1].astype(jnp.float32))
+    c = sample(dict(step=jnp.int32(0), cache=cache, tok=jnp.zeros(B, jnp.int32), done=jnp.zeros(B, bool),
+                    ids=jnp.full((B, T), pad_id, jnp.int32), mask=jnp.zeros((B, T), jnp.int32),
+                    logps=jnp.zeros((B, T), jnp.float32), num_kept=jnp.zeros((B, T), jnp.int32),
+                    log_kept_mass=jnp.zeros((B, T), jnp.float32)), logits_bv)   # step 0 from the prefill's logits
     for start in range(0, T, chunk):             # one loop per chunk; later chunks attend over a longer cache
-        stop = min(start + chunk, T)
+        stop = min(start + chunk, T)             # the chunk writes slots [start, stop): steps start+1 .. stop
         if start: c["cache"] = grow_cache(flush_tail(c["cache"]) if tail else c["cache"],
                                           c["cache"]["segment_ids"].shape[1] + stop - start)
         if tail: c["cache"] = with_tail(c["cache"], stop - start)   # the chunk's keys go to a tail: the cache is only read
-        c = jax.lax.while_loop(lambda c, stop=stop: (c["step"] < stop) & ~jnp.all(c["done"]), body, c)
+        end = min(stop + 1, T)                   # the last token is never fed back: nothing reads its slot
+        c = jax.lax.while_loop(lambda c, end=end: (c["step"] < end) & ~jnp.all(c["done"]), body, c)
     return c["ids"], c["mask"], c["logps"], c["step"], c["num_kept"], c["log_kept_mass"]
 
 # %% ../nbs/10_sampling.ipynb

@@ -379,7 +379,8 @@ def _steps(tr: Trainer, ckpts: RunCheckpoints, log: MetricsLogger) -> tuple:
         tr.latest_checkpoint = tr.step
     logged, final = [], {}     # the logged records (what the summary averages: `run_summary`)
     if tr.eval_at_start and tr.step == 0:
-        with clock("eval"): log.log(0, tr.evaluate(), kind="eval")
+        with clock("eval"): first = tr.evaluate()
+        if first: log.log(0, first, kind="eval")      # an evaluation with nothing to evaluate logs nothing
     t = StepTiming(tr)
     with StopSignal() as stop, jax.set_mesh(tr.mesh):
         while tr.step < cfg.steps and not stop.requested:
@@ -394,7 +395,8 @@ def _steps(tr: Trainer, ckpts: RunCheckpoints, log: MetricsLogger) -> tuple:
             t.after_first()
             if cfg.eval_interval and tr.step % cfg.eval_interval == 0 and tr.step < cfg.steps:
                 check()
-                with clock("eval"): log.log(tr.step, tr.evaluate(), kind="eval")
+                with clock("eval"): rec = tr.evaluate()
+                if rec: log.log(tr.step, rec, kind="eval")
             if tr.step % cfg.checkpoint_period == 0 or tr.step == cfg.steps or stop.requested: save()
         if tr.step < cfg.steps: raise RunStopped(stop.signum, tr.step, cfg.steps, where)
         check()

@@ -35,6 +35,21 @@ def test_a_reward_function_that_raises_does_not_stop_the_run(tmp_path):
         assert info["rewards/boom/mean"] == 0.0 and np.isfinite(info["loss"])
 
 
+def test_eval_num_prompts_zero_evaluates_nothing_as_in_the_other_training_commands(tmp_path, monkeypatch):
+    """`eval_num_prompts=0` in `maxpost rl` means no held-out evaluation (as in sft, dpo and distill), not the whole
+    eval split: no held-out rows are loaded or checked against the training split, and no eval record is written."""
+    import maxpost.rl as rl_mod
+    loaded = []
+    monkeypatch.setattr(rl_mod, "load_eval_examples", lambda cfg: loaded.append(cfg) or [])
+    cfg = rl_cfg(tmp_path, "eval_num_prompts=0", "steps=1", "eval_split=train[:64]")   # the training rows: not refused
+    tr = start_trainer(RLTrainer, cfg, reward_fns=[(length_reward, 1.0, "length")])
+    assert tr.eval_examples == [] and loaded == [] and tr.evaluate() == {}
+    assert tr.fit(progress=False)["step"] == 1
+    assert read_metrics(run_dir(cfg), "eval") == [] and len(read_metrics(run_dir(cfg), "train")) == 1
+    with pytest.raises(ConfigError, match="shares rows"):          # asked to evaluate on them, it refuses as before
+        start_trainer(RLTrainer, rl_cfg(tmp_path, "eval_num_prompts=4", "eval_split=train[:64]", "run_name=u"))
+
+
 def test_beta_zero_builds_no_reference_model(tmp_path):
     assert start_trainer(RLTrainer, rl_cfg(tmp_path, "beta=0")).ref_params is None
     tr = start_trainer(RLTrainer, rl_cfg(tmp_path, "beta=0.1"), reward_fns=[(length_reward, 1.0, "length")])  # never all-equal rewards
