@@ -206,7 +206,7 @@ def decode(model, cache, logits_bv, prompt_lengths, key, temperature, top_k, top
         pos = (prompt_lengths + c["step"] - 1)[:, None].astype(jnp.int32)
         logits, cache = model(c["tok"][:, None], pos, jnp.ones_like(pos), cache=c["cache"])
         return sample(dict(c, cache=cache), logits[:, -1].astype(jnp.float32))
-    c = sample(dict(step=jnp.int32(0), cache=cache, tok=jnp.zeros(B, jnp.int32), done=jnp.zeros(B, bool),
+    c = sample(dict(step=jnp.int32(0), cache=cache, done=jnp.zeros(B, bool),
                     ids=jnp.full((B, T), pad_id, jnp.int32), mask=jnp.zeros((B, T), jnp.int32),
                     logps=jnp.zeros((B, T), jnp.float32), num_kept=jnp.zeros((B, T), jnp.int32),
                     log_kept_mass=jnp.zeros((B, T), jnp.float32)), logits_bv)   # step 0 from the prefill's logits
