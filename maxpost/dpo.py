@@ -497,9 +497,11 @@ class DPOTrainer(Trainer):
         with self.clock("data"): check_held_out(cfg)
         n_eval = self._load_data()
         self.build_steps()
+        kept = cfg.loss_type not in REFERENCE_FREE and not cfg.precompute_ref_log_probs
+        if kept: self._build_reference(n_eval)   # a copy of the weights: made first, so the update's estimate sees it
         if not finished_before(cfg): self._compile_ahead()   # on threads, while the reference pass and evaluation run
         self.flops_per_token = flops_per_token(self.model_cfg, cfg.max_prompt_length + cfg.max_completion_length)
-        self._build_reference(n_eval)
+        if not kept: self._build_reference(n_eval)   # precomputed log-probs: their pass waits on the compile started above
 
     def evaluate(self) -> dict:   # in the class: `@patch` would bind `evaluate` in this module, the library's name
         "The held-out preference metrics, and pass@1 (greedy) and format rate on held-out problems when there are any."
