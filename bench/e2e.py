@@ -73,6 +73,10 @@ def run_part(part: str, kind: str, args: list[str], box: float, work: Path, out:
     run_dir = base / (run_name or "embedded-grpo")
     launched = launch(ROOT, argv, run_dir, out / f"{part}-{kind}.log", box)
     row = summarize(kind, launched, run_dir)
+    times = lambda kinds: [t for _, k, t in launched["arrivals"] if k in kinds]   # when the records appeared
+    last_train, last = max(times({"train"}), default=None), max(times({"train", "eval"}), default=None)
+    row.update(last_train_s=last_train, last_record_s=last,   # after the last record: the summary, the save, the exit
+               after_last_record_s=None if last is None else launched["wall_s"] - last)
     row.update(part=part, command="maxpost " + " ".join(a for a in argv if not a.startswith("base_output_directory")),
                box_s=box)
     print(json.dumps({k: v for k, v in row.items() if v is not None}), flush=True)

@@ -1,23 +1,41 @@
-"""Whether a TPU's runtime can start while Python imports the rest (bench/device/README.md, seventh session):
+"""Where a command's start goes on an accelerator host (bench/device/README.md, tenth session), one process per call:
 
-    python bench/device/probe_startup.py serial|thread
+    python bench/device/probe_startup.py serial    # import jax, start the backend, then import maxpost's commands
+    python bench/device/probe_startup.py thread    # the same with the backend started on a thread beside the imports
 
-`serial`: import jax, then maxpost's command line and every kind (what `maxpost sft` imports before it runs), then
-the first device query (the runtime starts). `thread`: the first device query on a thread right after `import jax`,
-the imports meanwhile. Prints when each ended, from the process start."""
-import os, sys, threading, time
+Prints each part's seconds from the process's start (as `maxpost`'s first-step table counts `startup`). `thread`
+says whether the accelerator's runtime starts while Python imports (the runtime's start letting go of the GIL): if
+so, its `all` is about `serial`'s less the imports after jax."""
+import sys, threading, time
 from pathlib import Path
-T0 = time.time()
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import jax
-t_jax = time.time() - T0
-done = {}
-def devices(): jax.devices(); done["devices"] = time.time() - T0
-th = threading.Thread(target=devices) if sys.argv[1] == "thread" else None
-if th: th.start()
-import maxpost.cli as cli; cli.load_kinds()
-t_imports = time.time() - T0
-if th: th.join()
-else: devices()
-print(f"{sys.argv[1]}: import jax {t_jax:.2f} s, the rest imported at {t_imports:.2f} s, devices ready at "
-      f"{done['devices']:.2f} s, all at {time.time() - T0:.2f} s ({jax.devices()[0].device_kind})", flush=True)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def since_start() -> float:
+    "Seconds since this process started (/proc/self/stat's start time, as maxpost.timing reads it)."
+    import os
+    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    boot = next(float(l.split()[1]) for l in open("/proc/stat") if l.startswith("btime"))
+    return time.time() - (boot + ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def main(mode: str) -> None:
+    t = {"python": since_start()}
+    import jax
+    t["import jax"] = since_start()
+    th = None
+    if mode == "thread":
+        th = threading.Thread(target=jax.devices); th.start()
+    else:
+        jax.devices(); t["backend"] = since_start()
+    import maxpost.cli as cli
+    cli.load_kinds()
+    t["import maxpost"] = since_start()
+    if th is not None: th.join(); t["backend joined"] = since_start()
+    jax.numpy.zeros(1).block_until_ready(); t["first array"] = since_start()
+    print(mode + ": " + ", ".join(f"{k} {v:.2f} s" for k, v in t.items()) + f"; {jax.devices()[0].device_kind}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "serial")
