@@ -27,6 +27,7 @@ from .timing import flops_per_token
 from .train import Trainer, compile_ahead, compile_step_ahead, finished_before
 from .commands import start_trainer, train_command
 from .step import make_update_step, ReferencePolicy
+from .checkpoint import state_bytes
 
 # %% auto 0
 __all__ = ['LOSS_KEYS', 'KIND', 'DPOConfig', 'loss_run_name', 'extract_prompt', 'pair_problem', 'encode_pair', 'preference_batch',
@@ -497,11 +498,9 @@ class DPOTrainer(Trainer):
         with self.clock("data"): check_held_out(cfg)
         n_eval = self._load_data()
         self.build_steps()
-        kept = cfg.loss_type not in REFERENCE_FREE and not cfg.precompute_ref_log_probs
-        if kept: self._build_reference(n_eval)   # a copy of the weights: made first, so the update's estimate sees it
         if not finished_before(cfg): self._compile_ahead()   # on threads, while the reference pass and evaluation run
         self.flops_per_token = flops_per_token(self.model_cfg, cfg.max_prompt_length + cfg.max_completion_length)
-        if not kept: self._build_reference(n_eval)   # precomputed log-probs: their pass waits on the compile started above
+        self._build_reference(n_eval)
 
     def evaluate(self) -> dict:   # in the class: `@patch` would bind `evaluate` in this module, the library's name
         "The held-out preference metrics, and pass@1 (greedy) and format rate on held-out problems when there are any."
@@ -579,6 +578,14 @@ def _reference_table(self: DPOTrainer, ref: ReferencePolicy, data: PairData, ind
 def ref_params(self: DPOTrainer):
     "The reference's own weights (None when it keeps none: a reference-free loss, or precomputed log-probs)."
     return None if self.reference is None else self.reference.params
+
+@patch
+def pending_bytes(self: DPOTrainer) -> int:
+    "The reference's copy of the weights, per device, while it is not made yet: the update's memory estimate runs before it (the update's compile starts first, the copy's program beside it)."
+    cfg = self.cfg
+    if getattr(self, "reference", None) is not None or cfg.loss_type in REFERENCE_FREE or cfg.precompute_ref_log_probs \
+            or self.lora_base is not None: return 0
+    return state_bytes(self.params) // self.mesh.devices.size
 
 # %% ../nbs/15b_dpo.ipynb
 @patch

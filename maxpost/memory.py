@@ -13,7 +13,7 @@ from .config import ConfigError, REMAT_POLICIES
 
 # %% auto 0
 __all__ = ['memory_needed', 'device_memory', 'MemoryShortfall', 'check_memory', 'out_of_memory', 'compile_shortfall',
-           'activation_bytes', 'remat_to_start']
+           'activation_bytes', 'logits_bytes', 'remat_to_start']
 
 # %% ../nbs/07e_memory.ipynb
 def memory_needed(compiled) -> dict:
@@ -78,9 +78,14 @@ def activation_bytes(cfg, tokens: int, policy: str) -> int:
     return int(kept * tokens * jnp.dtype(cfg.dtype).itemsize)
 
 # %% ../nbs/07e_memory.ipynb
-def remat_to_start(cfg, tokens: int, gradients: int, free: int) -> tuple[str, str]:
-    "`(policy, line)`: the least-recompute remat policy whose estimated activations plus `gradients` bytes fit in `free` (`full` when none is predicted to), and a line that says why."
-    est = {p: activation_bytes(cfg, tokens, p) + gradients for p in REMAT_POLICIES}
+def logits_bytes(vocab_size: int, tokens: int, chunk: int | None) -> int:
+    "Bytes of the output layer's float32 logits and their gradient while the loss runs `chunk` tokens at a time (0 / None: all `tokens` at once), per device."
+    return 2 * 4 * vocab_size * (min(tokens, chunk) if chunk else tokens)
+
+def remat_to_start(cfg, tokens: int, gradients: int, free: int, *, extra: int = 0) -> tuple[str, str]:
+    "`(policy, line)`: the least-recompute remat policy whose estimated activations plus `gradients` and `extra` bytes (the logits' chunk, `logits_bytes`) fit in `free` (`full` when none is predicted to), and a line that says why."
+    est = {p: activation_bytes(cfg, tokens, p) + gradients + extra for p in REMAT_POLICIES}
     pick = next((p for p in REMAT_POLICIES if est[p] <= free), REMAT_POLICIES[-1])
     return pick, (f"remat_policy=auto starts at {pick!r}: activations and gradients estimated at "
                   + ", ".join(f"{p} {_gib(b)}" for p, b in est.items()) + f" per device, {_gib(free)} free")
+

@@ -22,7 +22,7 @@ from .policy import (Setup, TrainableWeights, model_options, read_model_config, 
 from .rundir import RunLock, MetricsLogger, as_scalar, read_metrics
 from .timing import Clock, StepTiming, compile_watch, device_peak_flops, timing_lines
 from .memory import (MemoryShortfall, check_memory, memory_needed, compile_shortfall, device_memory,
-                            out_of_memory, remat_to_start, activation_bytes, _gib)   # memory_needed: 03c_lora's check imports it from here
+                            out_of_memory, remat_to_start, activation_bytes, logits_bytes, _gib)   # memory_needed: 03c_lora's check imports it from here
 from .optimizer import make_optimizer, make_schedule, init_opt_state
 from .compile import StepCompiler, compile_ahead
 from .prefetch import Prefetcher   # the kinds import it from here too
@@ -209,6 +209,7 @@ class Trainer:
 
     def build_steps(self) -> None: pass               # (re)build the jitted steps from `self.graphdef`
     shared_prompts = False   # RL's and DPO's updates run each group's prompt once: `_unshare_prompts` stops it
+    def pending_bytes(self) -> int: return 0   # bytes per device the kind allocates after the memory estimate, before its update (DPO's reference copy)
     def make_update(self): raise NotImplementedError  # a kind with shared prompts: `step_fn` as `build_steps` makes it
 
 # %% ../nbs/08_train.ipynb
@@ -283,20 +284,24 @@ def remat_pick(cfg: TrainConfig, model_cfg, params, mesh, *, not_yet_allocated: 
     n = mesh.devices.size
     grads = state_bytes(params) // n
     free, what = device_memory()
-    return remat_to_start(model_cfg, _step_tokens(cfg) // n, grads, free - (not_yet_allocated if what.startswith("free ") else 0))
+    tokens = _step_tokens(cfg) // n
+    return remat_to_start(model_cfg, tokens, grads, free - (not_yet_allocated if what.startswith("free ") else 0),
+                          extra=logits_bytes(model_cfg.vocab_size, tokens, getattr(cfg, "logits_chunk_size", 0)))
 
 def _start_remat(tr: Trainer) -> None:
     "Before the first compile: with `remat_policy=auto`, start at the least-recompute policy whose estimated activations fit (`remat_to_start`, chapter `07e_memory`), so that a policy that clearly cannot fit is never compiled; an update that shares prompts stops sharing when its estimate with a second set of gradients does not fit."
     tr._remat_started = True
     if tr.cfg.remat_policy == "auto":
-        pick, line = remat_pick(tr.cfg, tr.model_cfg, tr.params, tr.mesh)
+        pick, line = remat_pick(tr.cfg, tr.model_cfg, tr.params, tr.mesh, not_yet_allocated=tr.pending_bytes())
         if pick != tr.model_cfg.remat and jax.process_index() == 0 and getattr(tr, "progress", True):
             print(f"memory: {line}", file=sys.stderr)   # said only where auto skips a policy
         if pick != tr.model_cfg.remat: _set_remat(tr, pick)
     if tr.shared_prompts:
-        n, (free, _) = tr.mesh.devices.size, device_memory()
-        grads = state_bytes(tr.params) // n
-        need = activation_bytes(tr.model_cfg, _step_tokens(tr.cfg) // n, tr.model_cfg.remat) + 2 * grads
+        n, (free, what) = tr.mesh.devices.size, device_memory()
+        free -= tr.pending_bytes() if what.startswith("free ") else 0   # what the kind allocates before its update
+        grads, tokens = state_bytes(tr.params) // n, _step_tokens(tr.cfg) // n
+        need = (activation_bytes(tr.model_cfg, tokens, tr.model_cfg.remat) + 2 * grads
+                + logits_bytes(tr.model_cfg.vocab_size, tokens, tr.cfg.logits_chunk_size))
         if need > free: _unshare_prompts(tr, f"the update's activations and two sets of gradients are estimated at "
                                              f"{_gib(need)} per device, {_gib(free)} free")
 
