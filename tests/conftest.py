@@ -31,6 +31,14 @@ if "MAXPOST_CACHE_DIR" not in os.environ:
 from maxpost.cli import load_kinds  # noqa: E402
 load_kinds()   # every kind registered, as the `maxpost` command has them
 
+# The commands and notebooks the tests start (subprocesses) share that persistent cache; the pytest workers themselves
+# do not use it. Inside a worker, reading an executable back from it (XLA's CPU client's `deserialize_executable`, on
+# a `compile_ahead` thread) segfaulted the worker three times (stop 57; twice on 2026-12-07, the last in test_sft's
+# compile-ahead test, one read at a time), and pytest-xdist then waited for the dead worker's tests until CI's time
+# limit. Without the cache a worker compiles what it runs; nothing in a worker's own tests counts on a cache hit.
+import jax  # noqa: E402
+jax.config.update("jax_enable_compilation_cache", False)
+
 
 import pytest  # noqa: E402
 
