@@ -134,34 +134,6 @@ def test_dpo_s_memory_estimate_counts_both_rows_of_a_pair():
     assert _step_tokens(load_config("sft", ["global_batch_size=8", "max_target_length=1024"])) == 8 * 1024
 
 
-def test_dpo_s_shared_prompt_estimate_sees_the_reference_copy(tmp_path, monkeypatch, capsys):
-    """DPO's reference is a copy of the weights: it is made before the update's estimate, so on a device whose free
-    memory drops by that copy (faked here: a budget less what each `ReferencePolicy` holds), room for two sets of
-    gradients before the copy but not after it means the update is built unshared from the start: the shared one is
-    never compiled (the 1B DPO on a TPU compiled it, was refused by XLA, then compiled the unshared one)."""
-    import maxpost.train as train_mod
-    from maxpost.dpo import DPOTrainer
-    from maxpost.memory import activation_bytes
-    from maxpost.step import ReferencePolicy
-    n, held, real = jax.device_count(), [], ReferencePolicy.__init__
-    def made(self, *a, **k): real(self, *a, **k); held.append(self.nbytes() // n)
-    monkeypatch.setattr(ReferencePolicy, "__init__", made)
-    cfg = get_model_config("tiny", remat="full")
-    grads = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(nnx.eval_shape(
-        lambda: Decoder(cfg, rngs=nnx.Rngs(0))), nnx.Param))) // n
-    act = activation_bytes(cfg, 2 * 8 * (32 + 16) // n, "full")       # 8 pairs: 16 rows of 32 + 16 tokens
-    budget = act + 2 * grads + grads // 2                              # two sets fit; less the copy (one set) they do not
-    monkeypatch.setattr(train_mod, "device_memory", lambda: (budget - sum(held), "a fake device's free memory"))
-    dcfg = load_config("dpo", [f"base_output_directory={tmp_path}", "run_name=t", "load_parameters_path=", "model_name=tiny",
-                               "global_batch_size=8", "max_prompt_length=32", "max_completion_length=16", "steps=1",
-                               "remat_policy=full", "check_memory=false", "eval_num_prompts=0", "eval_interval=0",
-                               "train_split=train[:64]", "eval_split=test[:8]", "eval_batches=1"], base=None)
-    tr = start_trainer(DPOTrainer, dcfg, progress=False)
-    assert held and not tr.shared_prompts
-    assert "two sets of gradients are estimated at" in capsys.readouterr().err
-    assert tr.fit(progress=False)["step"] == 1
-
-
 def test_dpo_s_shared_prompt_estimate_counts_the_reference_copy_and_the_logits(tmp_path, monkeypatch, capsys):
     """DPO's reference is a copy of the weights made after the update's estimate (its compile starts first): the
     estimate counts that copy (`pending_bytes`) and the logits' chunk. On a device whose free memory drops by the copy
