@@ -119,9 +119,10 @@ def test_an_environment_that_is_not_a_factory_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="not a factory"): start_trainer(RLTrainer, cfg)
 
 
-def test_tutorial_quick_mode_shows_an_episode_before_and_after_rl(tmp_path):
+def test_tutorial_quick_mode_shows_an_episode_before_and_after_rl(tmp_path, monkeypatch):
     "nbs/tutorials/agentic_calculator.ipynb in its quick mode: SFT on the calculator variant, two RL steps in the environment, a greedy held-out episode of each checkpoint."
     import papermill as pm
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")   # the kernel's one device, as the notebook sets
     out = tmp_path / "agentic.ipynb"
     pm.execute_notebook(str(ROOT / "nbs" / "tutorials" / "agentic_calculator.ipynb"), str(out), cwd=str(tmp_path),
                         kernel_name="python3", parameters=dict(base_output_directory=str(tmp_path / "runs")),

@@ -537,7 +537,7 @@ def test_rl_step_accumulation_equals_one_big_batch(accum):
                                  batch["completion_ids"], batch["completion_mask"], 1.0, 2, chunk_size=None)
         return policy_loss(logps, batch["old_per_token_logps"], None, batch["advantages"], batch["completion_mask"], **kw)[0]
     tx = optax.sgd(1.0)   # the weights move by exactly the gradient
-    g = jax.grad(big_loss)(p0)
+    g = jax.jit(jax.grad(big_loss))(p0)
     want = jax.tree.map(lambda p, d: p - d, p0, g)
     step = make_rl_step(gd, tx, kw, 1.0, num_generations=2, accum=accum, chunk_size=None)
     p, _, metrics = step(jax.tree.map(jnp.copy, p0), rest, tx.init(p0), batch)

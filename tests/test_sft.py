@@ -48,7 +48,7 @@ def test_gradient_accumulation_equals_one_big_batch(accum):
     def big_loss(p):
         logits = nnx.merge(gd, p, rest)(batch["tokens"], batch["positions"], batch["segment_ids"])
         return sft_loss(logits, batch)[0]
-    ref_grads = jax.grad(big_loss)(p0)
+    ref_grads = jax.jit(jax.grad(big_loss))(p0)
     ref_params = jax.tree.map(lambda p, u: p + u, p0, tx.update(ref_grads, tx.init(p0), p0)[0])
     step = make_sft_step(gd, tx, accum=accum)
     p = jax.tree.map(jnp.copy, p0)
